@@ -1,0 +1,36 @@
+"""hkernels: fast GPU operators for LLM training and inference.
+
+Every op has a Helion kernel, a hand-written Triton twin and a PyTorch reference; a dispatcher picks one per
+call (``HKERNELS_BACKEND``, :func:`use_backend`). ``HKERNELS_INTERPRET=1``, set before this import, runs the
+kernels on CPU tensors in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from hkernels import _interpret
+
+_interpret.setup()  # before any kernel module is imported: triton.jit reads TRITON_INTERPRET when it decorates
+
+from hkernels.dispatch import (  # noqa: E402
+    BackendUnavailableError,
+    HKernelsFallbackWarning,
+    backends,
+    ops,
+    selected_backend,
+    use_backend,
+)
+from hkernels.functional import layer_norm, rms_norm, softmax  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "HKernelsFallbackWarning",
+    "backends",
+    "layer_norm",
+    "ops",
+    "rms_norm",
+    "selected_backend",
+    "softmax",
+    "use_backend",
+]

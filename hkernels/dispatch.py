@@ -1,0 +1,256 @@
+"""The dispatcher: which backend runs a call. The only module that knows several backends exist.
+
+Backends: ``helion`` (``hkernels/ops/<op>.py``), ``triton`` (``triton_fallback/<op>.py``) and ``torch``
+(``hkernels/reference.py``). Each backend module offers the same functions (``<op>_fwd``, ``<op>_bwd``) with
+the same signatures; the dispatcher imports a backend module only when a call first needs it.
+
+What a call asks for, strongest first:
+  1. ``with hkernels.use_backend(...)`` scopes, innermost first (a context variable: per thread, per task);
+  2. ``HKERNELS_BACKEND``, read at every call: ``auto`` | ``helion`` | ``triton`` | ``torch``, optionally with
+     per-op overrides, e.g. ``HKERNELS_BACKEND=helion,softmax=triton``;
+  3. ``auto``.
+``auto`` runs CUDA tensors on helion, falling back to triton (one warning per op and reason) when Helion cannot
+compile or run the input, and CPU tensors on torch. A backend asked for by name that cannot run the call raises
+:class:`BackendUnavailableError`, naming the op, the backend, the reason and what can run instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hkernels import _interpret
+
+BACKENDS: tuple[str, ...] = ("helion", "triton", "torch")
+REQUESTS: tuple[str, ...] = ("auto", *BACKENDS)
+KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+_MODULES = {"helion": "hkernels.ops.{op}", "triton": "triton_fallback.{op}", "torch": "hkernels.reference"}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend asked for by name cannot run this call."""
+
+
+class HKernelsFallbackWarning(UserWarning):
+    """``auto`` wanted Helion for a call and ran Triton instead."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    default: str | None
+    per_op: Mapping[str, str]
+
+
+_SCOPE: contextvars.ContextVar[tuple[_Layer, ...]] = contextvars.ContextVar("hkernels_backend_scope", default=())
+_OPS: dict[str, Callable[..., Any]] = {}
+_lock = threading.Lock()
+_module_cache: dict[tuple[str, str], ModuleType | str] = {}
+_helion_failures: dict[tuple[Any, ...], str] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def register_op(name: str, public_fn: Callable[..., Any]) -> None:
+    """Make ``name`` known to the dispatcher; ``public_fn`` is the user-facing function (for its signature)."""
+    _OPS[name] = public_fn
+
+
+def ops() -> list[str]:
+    """Names of every op hkernels provides."""
+    return sorted(_OPS)
+
+
+def _check_op(op: str) -> None:
+    if op not in _OPS:
+        raise ValueError(f"hkernels: unknown op {op!r}; ops are: {', '.join(ops())}")
+
+
+def _check_request(value: str, where: str) -> str:
+    if value not in REQUESTS:
+        raise ValueError(f"hkernels: unknown backend {value!r} in {where}; valid backends are: {', '.join(REQUESTS)}")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_env(text: str) -> _Layer:
+    default: str | None = None
+    per_op: dict[str, str] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if "=" in item:
+            op, _, value = (s.strip() for s in item.partition("="))
+            _check_op(op)
+            per_op[op] = _check_request(value.lower(), f"HKERNELS_BACKEND={text!r}")
+        else:
+            default = _check_request(item.lower(), f"HKERNELS_BACKEND={text!r}")
+    return _Layer(default, per_op)
+
+
+def requested(op: str) -> str:
+    """What the current scope and ``HKERNELS_BACKEND`` ask for ``op``: auto, helion, triton or torch."""
+    layers = _SCOPE.get()
+    env = os.environ.get("HKERNELS_BACKEND")
+    if env:
+        layers = (_parse_env(env), *layers)
+    for layer in reversed(layers):
+        choice = layer.per_op.get(op, layer.default)
+        if choice is not None:
+            return choice
+    return "auto"
+
+
+@contextlib.contextmanager
+def use_backend(default: str | None = None, /, **per_op: str) -> Iterator[None]:
+    """Run the enclosed calls on a backend: ``use_backend("triton")``, ``use_backend(softmax="torch")``.
+
+    Beats ``HKERNELS_BACKEND``; an inner scope beats an outer one; scopes are per thread (context variables).
+    """
+    if default is not None:
+        _check_request(default, "use_backend()")
+    for op, value in per_op.items():
+        _check_op(op)
+        _check_request(value, f"use_backend({op}=...)")
+    token = _SCOPE.set((*_SCOPE.get(), _Layer(default, dict(per_op))))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def _module(backend: str, op: str) -> ModuleType | str:
+    """The backend's module for ``op``, or the reason it cannot be imported."""
+    key = (backend, op)
+    found = _module_cache.get(key)
+    if found is None:
+        try:
+            found = importlib.import_module(_MODULES[backend].format(op=op))
+        except Exception as e:  # an import error of any kind means: this backend is not available here
+            found = f"{backend} cannot be imported here ({type(e).__name__}: {e})"
+        _module_cache[key] = found
+    return found
+
+
+def _device_reason(backend: str, tensors: tuple[torch.Tensor, ...]) -> str | None:
+    if backend == "torch":
+        return None
+    devices = {t.device.type for t in tensors}
+    if devices == {"cuda"}:
+        return None
+    if devices == {"cpu"} and _interpret.enabled():
+        return None
+    if len(devices) > 1:
+        return f"its tensors are on several devices ({', '.join(sorted(devices))})"
+    return (
+        f"its tensors are on {next(iter(devices), 'no device')}; {backend} kernels need CUDA tensors "
+        "(or HKERNELS_INTERPRET=1 for CPU tensors)"
+    )
+
+
+def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> str | None:
+    """Why ``backend`` cannot run ``op`` on these tensors, or None if it can."""
+    reason = _device_reason(backend, tensors)
+    if reason is not None:
+        return reason
+    if backend != "torch":
+        bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in KERNEL_DTYPES})
+        if bad:
+            return f"its kernels take float32, bfloat16 and float16, not {', '.join(bad)}"
+    module = _module(backend, op)
+    return module if isinstance(module, str) else None
+
+
+def _signature(fn: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    # Helion compiles per dtype and last-dim size (row counts are dynamic), so that is what a failure is keyed by.
+    return (fn, tuple((t.dtype, t.shape[-1] if t.dim() else 1) for t in tensors))
+
+
+def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(a for a in args if isinstance(a, torch.Tensor))
+
+
+def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, str]:
+    """(backend, why) for a call of ``op`` that asks for ``request``; raises if a named backend cannot run."""
+    if request != "auto":
+        reason = unavailable_reason(op, request, tensors)
+        if reason is None:
+            return request, "asked for by name"
+        can = [b for b in BACKENDS if unavailable_reason(op, b, tensors) is None]
+        raise BackendUnavailableError(
+            f"hkernels.{op}: backend {request!r} cannot run this call: {reason}. "
+            f"Backends that can: {', '.join(can)}"
+        )
+    if not tensors or all(t.device.type == "cpu" for t in tensors):
+        return "torch", "auto: CPU tensors run on torch"
+    helion_reason = unavailable_reason(op, "helion", tensors)
+    if helion_reason is None:
+        failure = _helion_failures.get(_signature(fn or f"{op}_fwd", tensors))
+        if failure is None:
+            return "helion", "auto: helion"
+        helion_reason = f"helion failed on this input earlier ({failure})"
+    if unavailable_reason(op, "triton", tensors) is None:
+        return "triton", f"auto: {helion_reason}"
+    return "torch", f"auto: {helion_reason}; triton unavailable too"
+
+
+def run(op: str, fn: str, request: str, *args: Any) -> Any:
+    """Run ``<fn>`` (e.g. ``rms_norm_fwd``) of the backend chosen for ``op``; fall back from Helion under auto."""
+    request = request or requested(op)
+    tensors = _tensors(args)
+    backend, _ = select(op, request, tensors, fn)
+    module = _module(backend, op)
+    assert not isinstance(module, str)
+    if backend != "helion":
+        return getattr(module, fn)(*args)
+    try:
+        return getattr(module, fn)(*args)
+    except Exception as e:
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        if request != "auto":
+            can = [b for b in BACKENDS if b != "helion" and unavailable_reason(op, b, tensors) is None]
+            raise BackendUnavailableError(
+                f"hkernels.{op}: backend 'helion' failed on this call ({fn}): {reason}. "
+                f"Backends that can run it: {', '.join(can)}"
+            ) from e
+        if unavailable_reason(op, "triton", tensors) is not None:
+            raise
+        with _lock:
+            _helion_failures[_signature(fn, tensors)] = reason
+            first = (op, reason) not in _warned
+            _warned.add((op, reason))
+        if first:
+            warnings.warn(
+                f"hkernels.{op}: Helion could not run this input ({reason}); using the Triton kernel instead",
+                HKernelsFallbackWarning,
+                stacklevel=2,
+            )
+        return getattr(_module("triton", op), fn)(*args)
+
+
+def backends(op: str) -> list[str]:
+    """Backends that can run ``op`` on this machine (CUDA present, or interpret mode), best first."""
+    _check_op(op)
+    kernels_here = torch.cuda.is_available() or _interpret.enabled()
+    out = [b for b in ("helion", "triton") if kernels_here and not isinstance(_module(b, op), str)]
+    return [*out, "torch"]
+
+
+def selected_backend(op: str, *args: Any, **kwargs: Any) -> str:
+    """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run on now."""
+    _check_op(op)
+    bound = inspect.signature(_OPS[op]).bind(*args, **kwargs)
+    tensors = _tensors(tuple(bound.arguments.values()))
+    return select(op, requested(op), tensors)[0]

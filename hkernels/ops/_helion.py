@@ -1,0 +1,117 @@
+"""Running Helion kernels with shipped configs: never autotune at call time.
+
+Configs live beside the code as data, in ``hkernels/configs/<arch>.json``: for each kernel a list of buckets
+``{"max_n": N or null, "config": {...}}``, the first bucket whose ``max_n`` covers the row length wins. The
+arch is ``sm<major><minor>`` of the input's GPU (``sm90`` when no table exists for it) and ``interpret`` in
+interpret mode, where large blocks make the interpreter fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+import helion
+import torch
+
+from hkernels import _interpret
+
+_DEFAULT_ARCH = "sm90"
+
+
+@functools.lru_cache(maxsize=8)
+def _table(arch: str) -> dict[str, list[dict[str, Any]]]:
+    path = resources.files("hkernels.configs").joinpath(f"{arch}.json")
+    if not path.is_file():
+        path = resources.files("hkernels.configs").joinpath(f"{_DEFAULT_ARCH}.json")
+    return json.loads(path.read_text())
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpret" if _interpret.enabled() else _DEFAULT_ARCH
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=256)
+def _config(arch: str, kernel: str, n: int) -> helion.Config:
+    buckets = _table(arch).get(kernel)
+    if not buckets:
+        raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} ({arch})")
+    for bucket in buckets:
+        if bucket["max_n"] is None or n <= bucket["max_n"]:
+            return helion.Config(**bucket["config"])
+    raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} at N={n} ({arch})")
+
+
+def config_for(kernel: str, n: int, device: torch.device) -> helion.Config:
+    """The shipped config of ``kernel`` for rows of ``n`` elements on ``device``."""
+    return _config(arch_of(device), kernel, n)
+
+
+def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
+    # A shipped config is written for the general case; a degenerate input (N = 1 has no reduction loop) has
+    # fewer tunables of some kinds, so list-valued entries are cut to the lengths this binding expects. Never
+    # padded: a config too short for its kernel is a mistake Helion must report.
+    fitted = {}
+    for key, value in config.config.items():
+        want = default.config.get(key, [])
+        if isinstance(value, list) and isinstance(want, list):
+            value = value[: len(want)]
+            if not value:
+                continue
+        fitted[key] = value
+    return helion.Config(**fitted)
+
+
+def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
+    """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it."""
+    config = config_for(kernel.name, n, device)
+    bound = kernel.bind(args)
+    compiled = bound.__dict__.setdefault("_hkernels_compiled", {})
+    fn = compiled.get(config)
+    if fn is None:
+        fn = bound.compile_config(_fit(config, bound.config_spec.default_config()), allow_print=False)
+        compiled[config] = fn
+    return fn(*args)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    if device.type != "cuda":
+        return 4  # interpret mode: a few programs, enough to exercise the persistent loop
+    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rows_per_program(m: int, device: torch.device, per_sm: int = 2) -> int:
+    """Rows each program of a persistent grid walks, for about ``per_sm`` programs per multiprocessor."""
+    return -(-m // max(1, min(m, _programs(device, per_sm))))
+
+
+def rows_per_group(m: int, n: int, block_n: int, device: torch.device, per_sm: int = 4) -> int:
+    """Rows per group for a grid of (row groups × column blocks of ``block_n``) filling the GPU."""
+    col_blocks = -(-n // block_n)
+    groups = max(1, min(m, _programs(device, per_sm) // col_blocks))
+    return -(-m // groups)
+
+
+def pad_single_row(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Pad one-row inputs of a kernel that sums over rows to two rows of zeros' worth.
+
+    Helion 1.5.0 specialises a size-1 dim to a broadcast and then drops the row mask of a multi-row tile over
+    it, so a sum over that tile's rows counts row 0 once per tile row (seen: dw 16× too large for M = 1). With a
+    second, all-zero row the row dim is dynamic again; zeros add nothing to the sums, and callers slice row 0.
+    """
+    return tuple(torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) for t in tensors)

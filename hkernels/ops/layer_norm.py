@@ -1,0 +1,222 @@
+"""Layer norm in Helion (the twin of ``triton_fallback/layer_norm.py``).
+
+Math, per row of N elements:  mean = Σx/N,  rstd = 1/sqrt(Σ(x−mean)²/N + eps),  x̂ = (x−mean)·rstd,
+y = x̂·w + b.  Backward:  dx = rstd·(w·dy − mean(w·dy) − x̂·mean(w·dy·x̂)),  dw = Σ_rows dy·x̂,  db = Σ_rows dy.
+
+The variance is taken around the mean: resident rows subtract it in registers; long rows merge per-chunk
+(count, mean, M2) with Chan's formula and are read twice. Bytes for x: [M, N] of b-byte elements: forward reads
+and writes M·N·b (+ 8M); backward reads dy and x, writes dx, plus [programs, N] float32 partials of dw and db.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels.ops import _helion
+
+Tensor = torch.Tensor
+MAX_RESIDENT_FWD = 32768
+MAX_RESIDENT_BWD = 16384
+
+
+@helion.kernel(static_shapes=False)
+def _layer_norm_fwd(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    # Resident rows: x: [M, N] -> y [M, N], mean [M], rstd [M]; reads x once.
+    m, n = x.size()
+    n = hl.specialize(n)
+    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    mean = torch.empty([m], dtype=torch.float32, device=x.device)
+    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
+    for tile_m in hl.tile(m):
+        xf = x[tile_m, :].to(torch.float32)
+        mu = torch.sum(xf, dim=-1) / n
+        xc = xf - mu[:, None]
+        r = torch.rsqrt(torch.sum(xc * xc, dim=-1) / n + eps)
+        out = xc * r[:, None]
+        if weight is not None:
+            out = out * weight[None, :].to(torch.float32)
+        if bias is not None:
+            out = out + bias[None, :].to(torch.float32)
+        y[tile_m, :] = out.to(y.dtype)
+        mean[tile_m] = mu
+        rstd[tile_m] = r
+    return y, mean, rstd
+
+
+@helion.kernel(static_shapes=False)
+def _layer_norm_fwd_looped(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    # Long rows: pass 1 merges each chunk's (count, mean, M2) into the running ones (Chan et al.); pass 2 reads
+    # the row again and writes y.
+    m, n = x.size()
+    n = hl.specialize(n)
+    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    mean = torch.empty([m], dtype=torch.float32, device=x.device)
+    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
+    for tile_m in hl.tile(m):
+        count = hl.zeros([tile_m], dtype=torch.float32)
+        mu = hl.zeros([tile_m], dtype=torch.float32)
+        m2 = hl.zeros([tile_m], dtype=torch.float32)
+        for tile_n in hl.tile(n):
+            xf = x[tile_m, tile_n].to(torch.float32)
+            n_c = (tile_n.end - tile_n.begin) * 1.0
+            mu_c = torch.sum(xf, dim=-1) / n_c
+            d = torch.where((tile_n.index < n)[None, :], xf - mu_c[:, None], 0.0)
+            total = count + n_c
+            delta = mu_c - mu
+            mu = mu + delta * (n_c / total)
+            m2 = m2 + torch.sum(d * d, dim=-1) + delta * delta * (count * n_c / total)
+            count = total
+        r = torch.rsqrt(m2 / n + eps)
+        for tile_n in hl.tile(n):
+            out = (x[tile_m, tile_n].to(torch.float32) - mu[:, None]) * r[:, None]
+            if weight is not None:
+                out = out * weight[None, tile_n].to(torch.float32)
+            if bias is not None:
+                out = out + bias[None, tile_n].to(torch.float32)
+            y[tile_m, tile_n] = out.to(y.dtype)
+        mean[tile_m] = mu
+        rstd[tile_m] = r
+    return y, mean, rstd
+
+
+@helion.kernel(static_shapes=False)
+def _layer_norm_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    rows_per_program: int,
+    with_bias: hl.constexpr,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R), reads dy and x once, writes dx, and keeps
+    # its share of dw and db in registers; returns dx and the partials [programs, N] float32.
+    m, n = x.size()
+    n = hl.specialize(n)
+    programs = (m + rows_per_program - 1) // rows_per_program
+    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    dw_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
+    db_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
+    for g in hl.grid(programs):
+        dw_acc = hl.zeros([n], dtype=torch.float32)
+        db_acc = hl.zeros([n], dtype=torch.float32)
+        first = g * rows_per_program
+        for tile_m in hl.tile(first, min(first + rows_per_program, m)):
+            dyf = dy[tile_m, :].to(torch.float32)
+            r = rstd[tile_m]
+            xhat = (x[tile_m, :].to(torch.float32) - mean[tile_m][:, None]) * r[:, None]
+            wdy = dyf
+            if weight is not None:
+                wdy = dyf * weight[None, :].to(torch.float32)
+            c1 = torch.sum(xhat * wdy, dim=-1) / n
+            c2 = torch.sum(wdy, dim=-1) / n
+            dx[tile_m, :] = ((wdy - (xhat * c1[:, None] + c2[:, None])) * r[:, None]).to(dx.dtype)
+            dw_acc = dw_acc + torch.sum(dyf * xhat, dim=0)
+            if with_bias:
+                db_acc = db_acc + torch.sum(dyf, dim=0)
+        dw_part[g, :] = dw_acc
+        if with_bias:
+            db_part[g, :] = db_acc
+    return dx, dw_part, db_part
+
+
+@helion.kernel(static_shapes=False)
+def _layer_norm_bwd_dot(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    # Long rows, step 1 of 2: c1 = mean(w·dy·x̂), c2 = mean(w·dy) per row (looped reductions over dy and x).
+    m, n = x.size()
+    n = hl.specialize(n)
+    c1 = torch.empty([m], dtype=torch.float32, device=x.device)
+    c2 = torch.empty([m], dtype=torch.float32, device=x.device)
+    for tile_m in hl.tile(m):
+        wdy = dy[tile_m, :].to(torch.float32)
+        if weight is not None:
+            wdy = wdy * weight[None, :].to(torch.float32)
+        xhat = (x[tile_m, :].to(torch.float32) - mean[tile_m][:, None]) * rstd[tile_m][:, None]
+        c1[tile_m] = torch.sum(xhat * wdy, dim=-1) / n
+        c2[tile_m] = torch.sum(wdy, dim=-1) / n
+    return c1, c2
+
+
+@helion.kernel(static_shapes=False)
+def _layer_norm_bwd_looped(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    c1: Tensor,
+    c2: Tensor,
+    rows_per_program: int,
+    with_bias: hl.constexpr,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # Long rows, step 2 of 2: program (row group, column block) reads dy and x again, writes dx, and sums its
+    # rows' share of dw and db for its columns.
+    m, n = x.size()
+    n = hl.specialize(n)
+    groups = (m + rows_per_program - 1) // rows_per_program
+    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    dw_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
+    db_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
+    for tile_g, tile_n in hl.tile([groups, n], block_size=[1, None]):
+        dw_acc = hl.zeros([tile_n], dtype=torch.float32)
+        db_acc = hl.zeros([tile_n], dtype=torch.float32)
+        first = tile_g.begin * rows_per_program
+        for tile_m in hl.tile(first, min(first + rows_per_program, m)):
+            dyf = dy[tile_m, tile_n].to(torch.float32)
+            r = rstd[tile_m]
+            xhat = (x[tile_m, tile_n].to(torch.float32) - mean[tile_m][:, None]) * r[:, None]
+            wdy = dyf
+            if weight is not None:
+                wdy = dyf * weight[None, tile_n].to(torch.float32)
+            dx[tile_m, tile_n] = ((wdy - (xhat * c1[tile_m][:, None] + c2[tile_m][:, None])) * r[:, None]).to(
+                dx.dtype
+            )
+            dw_acc = dw_acc + torch.sum(dyf * xhat, dim=0)
+            if with_bias:
+                db_acc = db_acc + torch.sum(dyf, dim=0)
+        dw_part[tile_g.begin, tile_n] = dw_acc
+        if with_bias:
+            db_part[tile_g.begin, tile_n] = db_acc
+    return dx, dw_part, db_part
+
+
+def layer_norm_fwd(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x: [M, N], weight/bias: [N] or None -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
+    N = x.shape[1]
+    kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
+    return _helion.run(kernel, (x, weight, bias, eps), N, x.device)
+
+
+def layer_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """dy, x: [M, N]; weight/bias: [N] or None; mean, rstd: [M] -> (dx, dw or None, db or None)."""
+    M, N = x.shape
+    if M == 1:
+        dy, x, mean, rstd = _helion.pad_single_row(dy, x, mean, rstd)
+        dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+        return dx[:1], dw, db
+    with_bias = bias is not None
+    if N <= MAX_RESIDENT_BWD:
+        rows = _helion.rows_per_program(M, x.device)
+        dx, dw_part, db_part = _helion.run(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, x.device)
+    else:
+        c1, c2 = _helion.run(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, x.device)
+        block_n = _helion.config_for("_layer_norm_bwd_looped", N, x.device).block_sizes[0]
+        rows = _helion.rows_per_group(M, N, block_n, x.device)
+        dx, dw_part, db_part = _helion.run(
+            _layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N, x.device
+        )
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw, db

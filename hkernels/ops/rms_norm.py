@@ -1,0 +1,132 @@
+"""RMS norm in Helion (the twin of ``triton_fallback/rms_norm.py``).
+
+Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd · w.
+Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x·rstd.
+
+Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
+and x, writes dx, plus a [programs, N] float32 partial of dw. Row counts are dynamic (one compile serves every
+token count); N is specialised. Block sizes come from ``hkernels/configs`` (see ``_helion.py``); rows longer
+than ``MAX_RESIDENT_BWD`` take a two-step backward, as in the Triton twin.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels.ops import _helion
+
+Tensor = torch.Tensor
+MAX_RESIDENT_BWD = 16384
+
+
+@helion.kernel(static_shapes=False)
+def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    # x: [M, N] -> y [M, N], rstd [M]. A config with reduction_loops=[None] keeps the row in registers (one read
+    # of x); reduction_loops=[chunk] loops over it twice, for rows too long for registers.
+    m, n = x.size()
+    n = hl.specialize(n)
+    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
+    for tile_m in hl.tile(m):
+        xf = x[tile_m, :].to(torch.float32)
+        r = torch.rsqrt(torch.sum(xf * xf, dim=-1) / n + eps)
+        out = xf * r[:, None]
+        if weight is not None:
+            out = out * weight[None, :].to(torch.float32)
+        y[tile_m, :] = out.to(y.dtype)
+        rstd[tile_m] = r
+    return y, rstd
+
+
+@helion.kernel(static_shapes=False)
+def _rms_norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int
+) -> tuple[Tensor, Tensor]:
+    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R), reads dy and x once, writes dx, and keeps
+    # its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32.
+    m, n = x.size()
+    n = hl.specialize(n)
+    programs = (m + rows_per_program - 1) // rows_per_program
+    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    dw_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
+    for g in hl.grid(programs):
+        dw_acc = hl.zeros([n], dtype=torch.float32)
+        first = g * rows_per_program
+        for tile_m in hl.tile(first, min(first + rows_per_program, m)):
+            dyf = dy[tile_m, :].to(torch.float32)
+            xf = x[tile_m, :].to(torch.float32)
+            r = rstd[tile_m]
+            wdy = dyf
+            if weight is not None:
+                wdy = dyf * weight[None, :].to(torch.float32)
+            c = torch.sum(wdy * xf, dim=-1) / n
+            dx[tile_m, :] = ((wdy - xf * (r * r * c)[:, None]) * r[:, None]).to(dx.dtype)
+            dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
+        dw_part[g, :] = dw_acc
+    return dx, dw_part
+
+
+@helion.kernel(static_shapes=False)
+def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
+    # Long rows, step 1 of 2: c = mean(w·dy·x) per row [M] (a looped reduction: reads dy and x once).
+    m, n = x.size()
+    n = hl.specialize(n)
+    c = torch.empty([m], dtype=torch.float32, device=x.device)
+    for tile_m in hl.tile(m):
+        wdy = dy[tile_m, :].to(torch.float32)
+        if weight is not None:
+            wdy = wdy * weight[None, :].to(torch.float32)
+        c[tile_m] = torch.sum(wdy * x[tile_m, :].to(torch.float32), dim=-1) / n
+    return c
+
+
+@helion.kernel(static_shapes=False)
+def _rms_norm_bwd_looped(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int
+) -> tuple[Tensor, Tensor]:
+    # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again, writes dx, and sums its
+    # rows' share of dw for its columns.
+    m, n = x.size()
+    n = hl.specialize(n)
+    groups = (m + rows_per_program - 1) // rows_per_program
+    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    dw_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
+    for tile_g, tile_n in hl.tile([groups, n], block_size=[1, None]):
+        dw_acc = hl.zeros([tile_n], dtype=torch.float32)
+        first = tile_g.begin * rows_per_program
+        for tile_m in hl.tile(first, min(first + rows_per_program, m)):
+            dyf = dy[tile_m, tile_n].to(torch.float32)
+            xf = x[tile_m, tile_n].to(torch.float32)
+            r = rstd[tile_m]
+            wdy = dyf
+            if weight is not None:
+                wdy = dyf * weight[None, tile_n].to(torch.float32)
+            dx[tile_m, tile_n] = ((wdy - xf * (r * r * c[tile_m])[:, None]) * r[:, None]).to(dx.dtype)
+            dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
+        dw_part[tile_g.begin, tile_n] = dw_acc
+    return dx, dw_part
+
+
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
+    return _helion.run(_rms_norm_fwd, (x, weight, eps), x.shape[1], x.device)
+
+
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
+    M, N = x.shape
+    if M == 1:
+        dy, x, rstd = _helion.pad_single_row(dy, x, rstd)
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+        return dx[:1], dw
+    if N <= MAX_RESIDENT_BWD:
+        rows = _helion.rows_per_program(M, x.device)
+        dx, dw_part = _helion.run(_rms_norm_bwd, (dy, x, weight, rstd, rows), N, x.device)
+    else:
+        c = _helion.run(_rms_norm_bwd_dot, (dy, x, weight), N, x.device)
+        block_n = _helion.config_for("_rms_norm_bwd_looped", N, x.device).block_sizes[0]
+        rows = _helion.rows_per_group(M, N, block_n, x.device)
+        dx, dw_part = _helion.run(_rms_norm_bwd_looped, (dy, x, weight, rstd, c, rows), N, x.device)
+    return dx, (dw_part.sum(0).to(weight.dtype) if weight is not None else None)

@@ -1,0 +1,69 @@
+"""Launch settings shared by the row-wise kernels (norms, softmax): one helper decides block shapes and warps.
+
+A row of N elements is *resident* when it fits in one block of registers (``BLOCK_N = next_pow2(N)`` up to
+``max_resident``): it is read from memory once. Longer rows are *looped* in chunks of ``chunk`` elements and read
+twice (the second read often hits L2).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Elements per row up to which a row stays in registers.
+MAX_RESIDENT_FWD = 32768
+MAX_RESIDENT_BWD = 16384
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device``; a small stand-in on CPU (interpret mode), where it only shapes grids."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def warps_for(elements: int) -> int:
+    """Warps for a block of ``elements``: about 16 elements per thread, 4 to 32 warps."""
+    return max(4, min(32, elements // 512))
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    resident: bool
+    block_m: int  # rows per block (resident kernels)
+    block_n: int  # next_pow2(N) when resident, else the chunk length
+    num_warps: int
+
+
+def row_settings(n: int, m: int, max_resident: int) -> RowSettings:
+    """Block shape and warps for M rows of N elements."""
+    block_n = triton.next_power_of_2(n)
+    if interpreting():
+        # The interpreter runs programs one after another: few, large programs run fastest.
+        if block_n <= max_resident:
+            block_m = min(triton.next_power_of_2(m), max(1, 65536 // block_n))
+            return RowSettings(True, block_m, block_n, 4)
+        return RowSettings(False, 1, 32768, 4)
+    if block_n <= max_resident:
+        # Small rows: several per program so each program still moves a few KB.
+        block_m = min(triton.next_power_of_2(m), max(1, 2048 // block_n))
+        return RowSettings(True, block_m, block_n, warps_for(block_m * block_n))
+    return RowSettings(False, 1, 4096, 8)
+
+
+def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) -> int:
+    """Programs for a persistent grid over ``work_items``: a couple per multiprocessor, never more than items."""
+    return max(1, min(work_items, num_sms(device) * per_sm))

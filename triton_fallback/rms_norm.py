@@ -1,0 +1,206 @@
+"""RMS norm in hand-written Triton (the twin of ``hkernels/ops/rms_norm.py``).
+
+Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd · w.
+Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x·rstd.
+
+Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
+and x (2·M·N·b), writes dx (M·N·b) and a [programs, N] float32 partial of dw that a last small sum reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import MAX_RESIDENT_BWD, MAX_RESIDENT_FWD, persistent_programs, row_settings
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr,  # x, y: [M, N] rows with unit column stride; w: [N]; rstd: [M] float32
+    M, N, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Resident rows: each program reads BLOCK_M rows of x once and writes BLOCK_M rows of y.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_fwd_looped_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr,
+    N, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Long rows, one per program: pass 1 reads the row for Σx², pass 2 reads it again and writes y.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = x * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,  # dw_part: [programs, N] float32
+    M, N, rows_per_program, stride_dy, stride_x, stride_dx,
+    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Resident rows, persistent: each program walks its own run of rows, reads dy and x once, writes dx, and
+    # keeps its share of dw in registers until the end (one [N] float32 row written per program).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < last
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        wdy = dy
+        if HAS_WEIGHT:
+            wdy = dy * w[None, :]
+        c = tl.sum(wdy * x, axis=1) / N
+        dx = (wdy - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_acc += tl.sum(dy * x * rstd[:, None], axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_dot_kernel(
+    dy_ptr, x_ptr, w_ptr, c_ptr,  # c: [M] float32, receives mean(w·dy·x) per row
+    N, stride_dy, stride_x,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Long rows, step 1 of 2: reads dy and x once for the row's dot product.
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dy = dy * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        acc += dy * x
+    tl.store(c_ptr + row, tl.sum(acc, axis=0) / N)
+
+
+@triton.jit
+def _rms_norm_bwd_looped_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, c_ptr, dx_ptr, dw_part_ptr,  # dw_part: [row groups, N] float32
+    M, N, rows_per_program, stride_dy, stride_x, stride_dx,
+    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Long rows, step 2 of 2: program (column block, row group) reads dy and x again, writes dx, and sums its
+    # rows' share of dw for its columns.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    col_ok = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = group * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for row in range(first, last):
+        row64 = tl.cast(row, tl.int64)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        c = tl.load(c_ptr + row)
+        wdy = dy
+        if HAS_WEIGHT:
+            wdy = dy * w
+        dx = (wdy - x * (rstd * rstd * c)) * rstd
+        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)
+        if HAS_WEIGHT:
+            dw_acc += dy * x * rstd
+    if HAS_WEIGHT:
+        tl.store(dw_part_ptr + group.to(tl.int64) * N + cols, dw_acc, mask=col_ok)
+
+
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    w = weight if weight is not None else x
+    s = row_settings(N, M, MAX_RESIDENT_FWD)
+    if s.resident:
+        _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+            x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps,
+            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    else:
+        _rms_norm_fwd_looped_kernel[(M,)](
+            x, w, y, rstd, N, x.stride(0), y.stride(0), eps,
+            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    return y, rstd
+
+
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
+    M, N = x.shape
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    w = weight if weight is not None else x
+    s = row_settings(N, M, MAX_RESIDENT_BWD)
+    if s.resident:
+        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m))
+        rows_per_program = triton.cdiv(M, programs)
+        dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+        _rms_norm_bwd_kernel[(programs,)](
+            dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
+            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    else:
+        c = torch.empty(M, dtype=torch.float32, device=x.device)
+        _rms_norm_bwd_dot_kernel[(M,)](
+            dy, x, w, c, N, dy.stride(0), x.stride(0),
+            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+        col_blocks = triton.cdiv(N, s.block_n)
+        groups = max(1, min(M, persistent_programs(x.device, M * col_blocks, per_sm=4) // col_blocks))
+        rows_per_program = triton.cdiv(M, groups)
+        dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
+        _rms_norm_bwd_looped_kernel[(col_blocks, groups)](
+            dy, x, w, rstd, c, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
+            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    return dx, dw

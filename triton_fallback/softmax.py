@@ -1,0 +1,135 @@
+"""Softmax over the last dim in hand-written Triton (the twin of ``hkernels/ops/softmax.py``).
+
+Math, per row:  y = exp(x − max x) / Σ exp(x − max x).  Backward:  dx = y·(dy − Σ dy·y).
+
+Bytes for x: [M, N] of b-byte elements: forward reads and writes M·N·b; backward reads dy and y, writes dx. Long
+rows (beyond one block of registers) are read twice: pass 1 keeps an online (max, sum) per row, rescaling
+the sum when the max grows (one exp per element), pass 2 writes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import MAX_RESIDENT_BWD, MAX_RESIDENT_FWD, row_settings
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr, y_ptr,  # [M, N] rows with unit column stride
+    M, N, stride_x, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Resident rows: read BLOCK_M rows once, write them once.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = e / tl.sum(e, axis=1)[:, None]
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(
+    x_ptr, y_ptr,
+    N, stride_x, stride_y,
+    BLOCK_N: tl.constexpr,
+):
+    # Long rows, one per program. Pass 1: online max and sum over chunks; pass 2: read again, write y.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    row_max = tl.full([], -float("inf"), dtype=tl.float32)
+    row_sum = tl.full([], 0.0, dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        # While every value seen is -inf, shift by 0 instead of -inf so no inf - inf = NaN enters the sum.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        row_max = new_max
+    inv_sum = 1.0 / row_sum
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        tl.store(y_row + cols, (tl.exp(x - row_max) * inv_sum).to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    dy_ptr, y_ptr, dx_ptr,
+    M, N, stride_dy, stride_y, stride_dx,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Resident rows: read dy and y once, write dx.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(
+    dy_ptr, y_ptr, dx_ptr,
+    N, stride_dy, stride_y, stride_dx,
+    BLOCK_N: tl.constexpr,
+):
+    # Long rows, one per program. Pass 1: Σ dy·y; pass 2: read both again, write dx.
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += dy * y
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dx + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cols < N)
+
+
+def softmax_fwd(x: Tensor) -> Tensor:
+    """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    s = row_settings(N, M, MAX_RESIDENT_FWD)
+    if s.resident:
+        _softmax_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+            x, y, M, N, x.stride(0), y.stride(0), BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps
+        )
+    else:
+        _softmax_fwd_looped_kernel[(M,)](
+            x, y, N, x.stride(0), y.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
+        )
+    return y
+
+
+def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
+    """dy, y: [M, N] -> dx [M, N] in y.dtype."""
+    M, N = y.shape
+    dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
+    s = row_settings(N, M, MAX_RESIDENT_BWD)
+    if s.resident:
+        _softmax_bwd_kernel[(triton.cdiv(M, s.block_m),)](
+            dy, y, dx, M, N, dy.stride(0), y.stride(0), dx.stride(0),
+            BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    else:
+        _softmax_bwd_looped_kernel[(M,)](
+            dy, y, dx, N, dy.stride(0), y.stride(0), dx.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
+        )
+    return dx
