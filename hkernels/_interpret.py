@@ -13,6 +13,10 @@ Two things stand in the way, and are mended in interpret mode only:
 - Helion's NaN-propagating max/min reductions (for ``torch.amax``/``amin``) are ``tl.reduce`` with a custom
   combine function, which the interpreter runs one element at a time (seconds per row of a few thousand).
   They are replaced by the same reduction written with vectorised ``tl.max``/``tl.min``, NaN kept as NaN.
+
+One more mend makes the interpreter model the GPU faithfully for every kernel: it converts float32 to bfloat16
+by truncating the mantissa, where the GPU rounds to nearest even (seen: a bf16 rms_norm of N = 1 one ulp low).
+The conversion is routed through PyTorch's, which rounds as the GPU does.
 """
 
 from __future__ import annotations
@@ -69,6 +73,29 @@ def _reduce_propagate_nan(kind: str) -> Callable[..., Any]:
     return reduce
 
 
+def _round_bf16_like_the_gpu() -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_hkernels", False):
+        return
+    truncating = builder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
+        return truncating(self, src, dst_type)
+
+    cast_impl._hkernels = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl  # type: ignore[method-assign]
+    # the lambdas that route integer and float casts through cast_impl look it up on the instance: no change
+
+
 def setup() -> None:
     """Prepare the process for interpret mode when ``HKERNELS_INTERPRET=1``; do nothing otherwise."""
     if not enabled():
@@ -83,6 +110,7 @@ def setup() -> None:
         import torch._inductor.runtime.triton_compat as triton_compat
     except ImportError:  # no triton: the kernel backends are unavailable anyway
         return
+    _round_bf16_like_the_gpu()
     if not isinstance(triton_compat.libdevice, _LibdeviceProxy):
         triton_compat.libdevice = _LibdeviceProxy("libdevice")
     try:

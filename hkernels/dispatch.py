@@ -10,8 +10,9 @@ What a call asks for, strongest first:
      per-op overrides, e.g. ``HKERNELS_BACKEND=helion,softmax=triton``;
   3. ``auto``.
 ``auto`` runs CUDA tensors on helion, falling back to triton (one warning per op and reason) when Helion cannot
-compile or run the input, and CPU tensors on torch. A backend asked for by name that cannot run the call raises
-:class:`BackendUnavailableError`, naming the op, the backend, the reason and what can run instead.
+compile or run the input, and CPU tensors on torch (in interpret mode, CPU tensors take the CUDA path). A
+backend asked for by name that cannot run the call raises :class:`BackendUnavailableError`, naming the op, the
+backend, the reason and what can run instead.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
             f"hkernels.{op}: backend {request!r} cannot run this call: {reason}. "
             f"Backends that can: {', '.join(can)}"
         )
-    if not tensors or all(t.device.type == "cpu" for t in tensors):
+    if not tensors or (all(t.device.type == "cpu" for t in tensors) and not _interpret.enabled()):
         return "torch", "auto: CPU tensors run on torch"
     helion_reason = unavailable_reason(op, "helion", tensors)
     if helion_reason is None:

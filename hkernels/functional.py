@@ -11,6 +11,7 @@ compiled code runs (a context variable cannot be traced), by both the forward an
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,6 +27,11 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _request(op: str) -> str:
     return "" if torch.compiler.is_compiling() else dispatch.requested(op)
+
+
+def _as_rows(x: Tensor) -> Tensor:
+    """[..., N] -> [M, N] (reshape(-1, N) is ambiguous when N = 0)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -119,7 +125,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     """
     _check_input("rms_norm", x)
     _check_param("rms_norm", "weight", weight, x)
-    y, _ = _rms_norm_fwd(x.reshape(-1, x.shape[-1]), weight, float(eps), _request("rms_norm"))
+    y, _ = _rms_norm_fwd(_as_rows(x), weight, float(eps), _request("rms_norm"))
     return y.reshape(x.shape)
 
 
@@ -187,7 +193,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     _check_input("layer_norm", x)
     _check_param("layer_norm", "weight", weight, x)
     _check_param("layer_norm", "bias", bias, x)
-    y, _, _ = _layer_norm_fwd(x.reshape(-1, x.shape[-1]), weight, bias, float(eps), _request("layer_norm"))
+    y, _, _ = _layer_norm_fwd(_as_rows(x), weight, bias, float(eps), _request("layer_norm"))
     return y.reshape(x.shape)
 
 
@@ -244,7 +250,7 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     if not -ndim <= dim < ndim:
         raise IndexError(f"hkernels.softmax: dim {dim} is out of range for a tensor of {x.dim()} dimension(s)")
     xt = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
-    y = _softmax_fwd(xt.reshape(-1, xt.shape[-1]), _request("softmax")).reshape(xt.shape)
+    y = _softmax_fwd(_as_rows(xt), _request("softmax")).reshape(xt.shape)
     return y.reshape(()) if x.dim() == 0 else y.movedim(-1, dim)
 
 

@@ -27,12 +27,14 @@ def _softmax_fwd_kernel(
     # Resident rows: read BLOCK_M rows once, write them once.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=-float("inf"))
     x = x.to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    y = e / tl.sum(e, axis=1)[:, None]
+    # Rows past M are all -inf: shift them by 0 and divide by 1, so they make no NaN (they are never stored).
+    e = tl.exp(x - tl.where(row_ok, tl.max(x, axis=1), 0.0)[:, None])
+    y = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

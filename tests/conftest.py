@@ -1,0 +1,43 @@
+"""One suite for every machine: CUDA tensors where a GPU is present, else CPU tensors in interpret mode.
+
+Interpret mode must be chosen before hkernels (or any kernel module) is imported, so it is decided here, at
+collection time, from whether torch sees a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["HKERNELS_INTERPRET"] = "1"
+os.environ.pop("HKERNELS_BACKEND", None)  # a developer's setting must not leak into the suite
+
+import hkernels  # noqa: E402
+from hkernels import dispatch  # noqa: E402
+
+DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_state(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts with no remembered Helion failures, no warnings already given, no env override."""
+    monkeypatch.delenv("HKERNELS_BACKEND", raising=False)
+    dispatch._helion_failures.clear()
+    dispatch._warned.clear()
+    yield
+    dispatch._helion_failures.clear()
+    dispatch._warned.clear()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    where = torch.cuda.get_device_name() if ON_GPU else "CPU, interpret mode (HKERNELS_INTERPRET=1)"
+    return [f"hkernels: {where}; backends here: {', '.join(hkernels.backends('rms_norm'))}"]

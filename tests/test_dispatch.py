@@ -1,0 +1,213 @@
+"""The dispatcher's contract: env parsing, per-op overrides, scopes, threads, errors, fallback, introspection."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+
+import pytest
+import torch
+
+import hkernels
+from hkernels import dispatch, reference
+
+
+def _x(device: torch.device, n: int = 16) -> torch.Tensor:
+    return torch.randn(4, n, device=device)
+
+
+def test_ops_lists_every_op():
+    assert hkernels.ops() == ["layer_norm", "rms_norm", "softmax"]
+
+
+def test_backends_here_lists_all_three(device):
+    for op in hkernels.ops():
+        assert hkernels.backends(op) == ["helion", "triton", "torch"]
+
+
+def test_backends_without_gpu_or_interpret_is_torch_only(monkeypatch):
+    monkeypatch.delenv("HKERNELS_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hkernels.backends("softmax") == ["torch"]
+
+
+def test_backends_rejects_unknown_op():
+    with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, rms_norm, softmax"):
+        hkernels.backends("gelu")
+
+
+def test_auto_picks_helion(device):
+    assert hkernels.selected_backend("rms_norm", _x(device)) == "helion"
+
+
+def test_auto_picks_torch_for_cpu_tensors_without_interpret(monkeypatch):
+    monkeypatch.delenv("HKERNELS_INTERPRET", raising=False)
+    assert hkernels.selected_backend("softmax", torch.randn(2, 3)) == "torch"
+
+
+def test_auto_picks_torch_for_float64(device):
+    assert hkernels.selected_backend("softmax", _x(device).double()) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ("triton", {"rms_norm": "triton", "layer_norm": "triton", "softmax": "triton"}),
+        ("helion,softmax=triton", {"rms_norm": "helion", "layer_norm": "helion", "softmax": "triton"}),
+        (" Torch , rms_norm = triton ", {"rms_norm": "triton", "layer_norm": "torch", "softmax": "torch"}),
+        ("softmax=torch", {"rms_norm": "helion", "layer_norm": "helion", "softmax": "torch"}),
+        ("auto", {"rms_norm": "helion", "layer_norm": "helion", "softmax": "helion"}),
+    ],
+)
+def test_env_parsing_and_per_op_overrides(monkeypatch, device, env, expected):
+    monkeypatch.setenv("HKERNELS_BACKEND", env)
+    x = _x(device)
+    assert {op: hkernels.selected_backend(op, x) for op in expected} == expected
+
+
+def test_env_is_read_at_call_time(monkeypatch, device):
+    x = _x(device)
+    monkeypatch.setenv("HKERNELS_BACKEND", "triton")
+    assert hkernels.selected_backend("softmax", x) == "triton"
+    monkeypatch.setenv("HKERNELS_BACKEND", "torch")
+    assert hkernels.selected_backend("softmax", x) == "torch"
+
+
+@pytest.mark.parametrize("env", ["cuda", "helion,softmax=fast", "gelu=triton"])
+def test_env_errors_name_the_valid_choices(monkeypatch, device, env):
+    monkeypatch.setenv("HKERNELS_BACKEND", env)
+    with pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, rms_norm, softmax)"):
+        hkernels.softmax(_x(device))
+
+
+def test_scope_beats_env_and_restores(monkeypatch, device):
+    x = _x(device)
+    monkeypatch.setenv("HKERNELS_BACKEND", "triton")
+    with hkernels.use_backend("torch"):
+        assert hkernels.selected_backend("rms_norm", x) == "torch"
+        with hkernels.use_backend(softmax="helion"):
+            assert hkernels.selected_backend("softmax", x) == "helion"
+            assert hkernels.selected_backend("rms_norm", x) == "torch"
+    assert hkernels.selected_backend("rms_norm", x) == "triton"
+
+
+def test_inner_default_beats_outer_per_op(device):
+    x = _x(device)
+    with hkernels.use_backend(softmax="torch"), hkernels.use_backend("triton"):
+        assert hkernels.selected_backend("softmax", x) == "triton"
+
+
+def test_scope_restores_after_an_exception(device):
+    with pytest.raises(RuntimeError, match="inside"), hkernels.use_backend("torch"):
+        raise RuntimeError("inside")
+    assert hkernels.selected_backend("softmax", _x(device)) == "helion"
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [(("fast",), {}), ((), {"softmax": "fast"}), ((), {"gelu": "torch"})])
+def test_use_backend_rejects_unknown_names(args, kwargs):
+    with (
+        pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, rms_norm, softmax)"),
+        hkernels.use_backend(*args, **kwargs),
+    ):
+        pass
+
+
+def test_scopes_are_per_thread(device):
+    x = _x(device)
+    seen: dict[str, str] = {}
+    barrier = threading.Barrier(3)
+
+    def worker(name: str) -> None:
+        with hkernels.use_backend(name):
+            barrier.wait()  # all three scopes are open at once
+            seen[name] = hkernels.selected_backend("softmax", x)
+            hkernels.softmax(x)
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in ("helion", "triton", "torch")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"helion": "helion", "triton": "triton", "torch": "torch"}
+    assert hkernels.selected_backend("softmax", x) == "helion"  # nothing leaked into this thread
+
+
+def _spy(monkeypatch, backend: str, op: str, fn: str) -> list[int]:
+    module = importlib.import_module(dispatch._MODULES[backend].format(op=op))
+    calls: list[int] = []
+    real = getattr(module, fn)
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(module, fn, spy)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+def test_named_backend_really_runs_forward_and_backward(monkeypatch, device, backend):
+    fwd = _spy(monkeypatch, backend, "rms_norm", "rms_norm_fwd")
+    bwd = _spy(monkeypatch, backend, "rms_norm", "rms_norm_bwd")
+    x = _x(device).requires_grad_()
+    monkeypatch.setenv("HKERNELS_BACKEND", backend)
+    y = hkernels.rms_norm(x, torch.ones(16, device=device))
+    monkeypatch.delenv("HKERNELS_BACKEND")  # the backward must follow the forward's choice, not the env now
+    y.sum().backward()
+    assert (len(fwd), len(bwd)) == (1, 1)
+
+
+def test_named_backend_that_cannot_run_says_why(monkeypatch):
+    monkeypatch.delenv("HKERNELS_INTERPRET", raising=False)
+    x = torch.randn(2, 8)  # CPU tensors, interpret mode off
+    with hkernels.use_backend("triton"), pytest.raises(hkernels.BackendUnavailableError) as info:
+        hkernels.softmax(x)
+    msg = str(info.value)
+    assert "hkernels.softmax" in msg and "'triton'" in msg and "cpu" in msg and "Backends that can: torch" in msg
+
+
+def test_named_kernel_backend_refuses_float64(device):
+    with hkernels.use_backend("helion"), pytest.raises(hkernels.BackendUnavailableError, match="float64"):
+        hkernels.layer_norm(_x(device).double())
+
+
+def _break_helion(monkeypatch, message: str = "simulated compile failure") -> None:
+    module = importlib.import_module("hkernels.ops.rms_norm")
+
+    def broken(*args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(module, "rms_norm_fwd", broken)
+
+
+def test_auto_falls_back_to_triton_with_one_warning(monkeypatch, device):
+    _break_helion(monkeypatch)
+    triton_calls = _spy(monkeypatch, "triton", "rms_norm", "rms_norm_fwd")
+    x, w = _x(device), torch.randn(16, device=device)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="rms_norm.*simulated compile failure.*Triton"):
+        y = hkernels.rms_norm(x, w)
+    torch.testing.assert_close(y, reference.rms_norm(x, w))
+    assert hkernels.selected_backend("rms_norm", x, w) == "triton"  # the failure is remembered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call must not warn again
+        hkernels.rms_norm(x, w)
+        hkernels.rms_norm(x[:2], w)
+    assert len(triton_calls) == 3
+
+
+def test_explicit_helion_failure_raises_with_alternatives(monkeypatch, device):
+    _break_helion(monkeypatch)
+    with hkernels.use_backend("helion"), pytest.raises(hkernels.BackendUnavailableError) as info:
+        hkernels.rms_norm(_x(device))
+    msg = str(info.value)
+    assert "hkernels.rms_norm" in msg and "'helion'" in msg and "simulated compile failure" in msg
+    assert "triton, torch" in msg
+
+
+def test_selected_backend_takes_the_op_signature(device):
+    x = _x(device)
+    assert hkernels.selected_backend("layer_norm", x, weight=None, bias=None, eps=1e-3) == "helion"
+    with pytest.raises(TypeError):
+        hkernels.selected_backend("softmax", x, nonsense=1)
