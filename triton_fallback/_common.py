@@ -16,7 +16,7 @@ import triton
 
 # Elements per row up to which a row stays in registers.
 MAX_RESIDENT_FWD = 32768
-MAX_RESIDENT_BWD = 16384
+MAX_RESIDENT_BWD = 8192
 
 
 def interpreting() -> bool:

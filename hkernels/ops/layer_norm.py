@@ -18,7 +18,7 @@ from hkernels.ops import _helion
 
 Tensor = torch.Tensor
 MAX_RESIDENT_FWD = 32768
-MAX_RESIDENT_BWD = 16384
+MAX_RESIDENT_BWD = 8192
 
 
 @helion.kernel(static_shapes=False)

@@ -1,0 +1,1 @@
+"""Comparative benchmarks: ``python -m bench``."""

@@ -1,0 +1,136 @@
+"""Timing, ceilings and output for ``python -m bench``."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Row:
+    op: str
+    m: int
+    n: int
+    dtype: str
+    mode: str
+    backend: str
+    ms: float | None = None
+    gbps: float | None = None
+    pct_copy: float | None = None
+    vs_compile: float | None = None  # torch.compile's time / this time (> 1: faster than torch.compile)
+    vs_eager: float | None = None
+    max_err: float | None = None  # max |out - float64 ref| / max |ref|, over y and every gradient
+    error: str = ""
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds of ``fn``: CUDA events with L2 flushed between runs (do_bench), or a host clock."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def copy_gbps(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written, on 1 GiB (well past the 60 MB L2)."""
+    n = (1 << 30) // 2 if device.type == "cuda" else 1 << 20
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def environment(device: torch.device) -> dict[str, object]:
+    def version(name: str) -> str:
+        try:
+            return __import__(name).__version__
+        except Exception as e:
+            return f"unavailable ({type(e).__name__})"
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    env: dict[str, object] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpret mode)",
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        "helion": version("helion"),
+        "liger_kernel": version("liger_kernel"),
+        "python": platform.python_version(),
+        "commit": commit,
+        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["sms"] = props.multi_processor_count
+        env["cuda"] = torch.version.cuda
+        with contextlib.suppress(OSError):
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            ).stdout.strip()
+    return env
+
+
+def _fmt(v: object, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: Iterable[Row]) -> str:
+    head = (
+        f"{'op':<11} {'shape':>13} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
+        f"{'err':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        shape = f"{r.m}x{r.n}"
+        if r.error:
+            lines.append(f"{r.op:<11} {shape:>13} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
+            continue
+        lines.append(
+            f"{r.op:<11} {shape:>13} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {_fmt(r.gbps, '7.0f')} "
+            f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.max_err, '8.1e')}"
+        )
+    return "\n".join(lines)
+
+
+def write(out: Path, rows: list[Row], env: dict[str, object]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    (out / "results.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1))
+    (out / "table.txt").write_text(table(rows) + "\n")
+
+
+def progress(i: int, total: int, text: str) -> None:
+    print(f"[{i:>4}/{total}] {text}", file=sys.stderr, flush=True)
+
+
+def default_out(device: torch.device) -> Path:
+    if device.type != "cuda":
+        return Path(os.environ.get("TMPDIR", "/tmp")) / "hkernels-bench"
+    name = torch.cuda.get_device_name(device).lower()
+    slug = "h200" if "h200" in name else "".join(c if c.isalnum() else "-" for c in name).strip("-")
+    return Path(__file__).parent / "results" / slug
