@@ -42,7 +42,10 @@ def _triton_families(x, w, dy, r, mean) -> Iterator[tuple[str, Callable[[], obje
         yield "triton softmax_bwd", lambda: tl_sm.softmax_bwd(dy, x), looped
         return
     if n <= 8192:
-        bwd = [{"block_m": 1, "warps": w_, "per_sm": p} for w_, p in itertools.product((4, 8, 16), (1, 2, 4))]
+        bwd = [
+            {"block_m": bm, "warps": w_, "per_sm": p, "stages": st}
+            for bm, w_, p, st in itertools.product((1, 2, 4), (8, 16), (1, 2), (1, 3))
+        ]
         yield "triton rms_norm_bwd", lambda: tl_rms.rms_norm_bwd(dy, x, w, r), bwd
         yield "triton layer_norm_bwd", lambda: tl_ln.layer_norm_bwd(dy, x, w, w, mean, r), bwd
         yield "triton softmax_bwd", lambda: tl_sm.softmax_bwd(dy, x), fwd
@@ -63,7 +66,9 @@ def _apply_triton(candidate: Candidate) -> Callable[[], None]:
     def settings(n: int, m: int, max_resident: int) -> common.RowSettings:
         if "chunk" in candidate:
             return common.RowSettings(False, 1, candidate["chunk"], candidate["warps"])
-        return common.RowSettings(True, candidate["block_m"], triton.next_power_of_2(n), candidate["warps"])
+        return common.RowSettings(
+            True, candidate["block_m"], triton.next_power_of_2(n), candidate["warps"], candidate.get("stages", 3)
+        )
 
     for m in mods:
         m.row_settings = settings
@@ -102,7 +107,10 @@ def _helion_families(x, w, dy, r, mean) -> Iterator[tuple[str, Callable[[], obje
         yield "helion _softmax_bwd", lambda: h_sm.softmax_bwd(dy, x), bwd_looped
         return
     if n <= 8192:
-        bwd = [{"block_sizes": [1], "num_warps": w_, "per_sm": p} for w_, p in itertools.product((4, 8, 16), (1, 2, 4))]
+        bwd = [
+            {"block_sizes": [bm], "num_warps": w_, "per_sm": p, "num_stages": st, "range_num_stages": [0, st]}
+            for bm, w_, p, st in itertools.product((1, 2, 4), (8, 16), (1, 2), (1, 3))
+        ]
         yield "helion _rms_norm_bwd", lambda: h_rms.rms_norm_bwd(dy, x, w, r), bwd
         yield "helion _layer_norm_bwd", lambda: h_ln.layer_norm_bwd(dy, x, w, w, mean, r), bwd
         yield "helion _softmax_bwd", lambda: h_sm.softmax_bwd(dy, x), fwd
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="16384x4096,16384x8192,4096x128256")
     p.add_argument("--backends", default="helion,triton")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new candidates after this long")
+    p.add_argument("--only", default="", help="time only families whose name contains this (e.g. _bwd)")
     p.add_argument("--out", type=Path, default=Path("sweep.json"))
     args = p.parse_args(argv)
     interpret = os.environ.get("HKERNELS_INTERPRET", "") == "1"  # a dry run of this script on CPU
@@ -157,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             sources.append((_helion_families, _apply_helion))
         for families, apply in sources:
             for family, fn, candidates in families(x, w, dy, r, mean):
+                if args.only not in family:
+                    continue
                 passes = 3 if "bwd" in family else 2
                 nbytes = passes * m * n * x.element_size()
                 tried = []

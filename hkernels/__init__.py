@@ -11,11 +11,11 @@ from hkernels import _interpret
 
 _interpret.setup()  # before any kernel module is imported: triton.jit reads TRITON_INTERPRET when it decorates
 
+from hkernels import ops  # noqa: E402  (the Helion kernels' package, callable: hkernels.ops() lists the ops)
 from hkernels.dispatch import (  # noqa: E402
     BackendUnavailableError,
     HKernelsFallbackWarning,
     backends,
-    ops,
     selected_backend,
     use_backend,
 )

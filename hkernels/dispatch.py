@@ -58,6 +58,7 @@ class _Layer:
 _SCOPE: contextvars.ContextVar[tuple[_Layer, ...]] = contextvars.ContextVar("hkernels_backend_scope", default=())
 _OPS: dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
+_import_lock = threading.RLock()
 _module_cache: dict[tuple[str, str], ModuleType | str] = {}
 _helion_failures: dict[tuple[Any, ...], str] = {}
 _warned: set[tuple[str, str]] = set()
@@ -137,11 +138,16 @@ def _module(backend: str, op: str) -> ModuleType | str:
     key = (backend, op)
     found = _module_cache.get(key)
     if found is None:
-        try:
-            found = importlib.import_module(_MODULES[backend].format(op=op))
-        except Exception as e:  # an import error of any kind means: this backend is not available here
-            found = f"{backend} cannot be imported here ({type(e).__name__}: {e})"
-        _module_cache[key] = found
+        # One import at a time: first imports of helion (and the torch._dynamo/_inductor modules it pulls in)
+        # from several threads at once fail with "partially initialized module" errors (seen on the H200).
+        with _import_lock:
+            found = _module_cache.get(key)
+            if found is None:
+                try:
+                    found = importlib.import_module(_MODULES[backend].format(op=op))
+                except Exception as e:  # an import error of any kind means: this backend is not available here
+                    found = f"{backend} cannot be imported here ({type(e).__name__}: {e})"
+                _module_cache[key] = found
     return found
 
 

@@ -3,7 +3,11 @@
 Tolerances are written once per dtype. A result passes when its largest error against the float64 reference
 is within ``factor`` times the error PyTorch's own computation in the same dtype makes on the same inputs
 (``hkernels.reference`` run on the low-precision tensors: float32 math, one rounding at the end), plus a floor
-``atol`` relative to the size of the reference (so exact-zero baselines do not demand exact results).
+``atol`` relative to the size of the reference (so exact-zero baselines do not demand exact results). Gradients
+get one more term: float32's floor times the size of the terms the backward subtracts (rstd·|w|·|dy| for the
+norms). The kernels compute in float32 whatever the I/O dtype, and a gradient that is mathematically 0
+(layer_norm with N = 1) keeps the float32 rounding of those terms in any fused kernel (seen on the H200: a
+contracted multiply-add left 1 ulp × 1/sqrt(eps)), which PyTorch's unfused eager baseline happens to avoid.
 """
 
 from __future__ import annotations
@@ -65,6 +69,16 @@ class Variant:
         fn: Callable[..., Tensor] = getattr(module, self.op)
         return fn(x, **params, **self.kwargs)
 
+    def grad_scale(self, x: Tensor, params: dict[str, Tensor], dy: Tensor) -> float:
+        """Size of the terms a backward combines (see the module doc), from float64 inputs."""
+        scale = dy.abs().max().item() if dy.numel() else 0.0
+        if self.op == "softmax" or x.numel() == 0:
+            return scale
+        centred = x - x.mean(-1, keepdim=True) if self.op == "layer_norm" else x
+        rstd = torch.rsqrt(centred.pow(2).mean(-1) + self.kwargs["eps"]).max().item()
+        weight = params["weight"].abs().max().item() if "weight" in params else 1.0
+        return scale * rstd * weight
+
 
 VARIANTS = [
     Variant("rms_norm", ("weight",), {"eps": 1e-6}),
@@ -95,7 +109,9 @@ def make_inputs(variant: Variant, shape: tuple[int, ...], dtype: torch.dtype, de
     return cast(x), {k: cast(v) for k, v in params.items()}, cast(dy)
 
 
-def max_error(name: str, out: Tensor, ref: Tensor, base: Tensor, dtype: torch.dtype) -> str | None:
+def max_error(
+    name: str, out: Tensor, ref: Tensor, base: Tensor, dtype: torch.dtype, term_scale: float = 0.0
+) -> str | None:
     """None if ``out`` is as close to the float64 ``ref`` as the dtype allows (see module doc), else a report."""
     factor, atol = TOLERANCES[dtype]
     if out.shape != ref.shape:
@@ -105,7 +121,7 @@ def max_error(name: str, out: Tensor, ref: Tensor, base: Tensor, dtype: torch.dt
     err = (out.double() - ref).abs()
     base_err = (base.double() - ref).abs().max().item()
     scale = max(1.0, ref.abs().max().item())
-    allowed = factor * base_err + atol * scale
+    allowed = factor * base_err + atol * scale + TOLERANCES[torch.float32][1] * term_scale
     worst = torch.nan_to_num(err, nan=float("inf")).argmax().item()
     worst_err = err.flatten()[worst].item()
     if worst_err <= allowed:  # False for NaN
@@ -114,5 +130,5 @@ def max_error(name: str, out: Tensor, ref: Tensor, base: Tensor, dtype: torch.dt
     return (
         f"{name}: max error {worst_err:.3g} at {idx} (got {out.flatten()[worst].item():.6g}, float64 reference "
         f"{ref.flatten()[worst].item():.6g}); allowed {allowed:.3g} = {factor} x same-dtype torch error "
-        f"{base_err:.3g} + {atol} x {scale:.3g}"
+        f"{base_err:.3g} + {atol} x {scale:.3g} + float32 floor x terms {term_scale:.3g}"
     )

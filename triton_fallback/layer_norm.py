@@ -238,7 +238,7 @@ def layer_norm_bwd(
         _layer_norm_bwd_kernel[(programs,)](
             dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, triton.cdiv(M, programs),
             dy.stride(0), x.stride(0), dx.stride(0),
-            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
         c1 = torch.empty(M, dtype=torch.float32, device=x.device)

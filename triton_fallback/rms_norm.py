@@ -186,7 +186,8 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _rms_norm_bwd_kernel[(programs,)](
             dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
-            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+            num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
         c = torch.empty(M, dtype=torch.float32, device=x.device)
