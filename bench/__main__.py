@@ -43,11 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
+    from torch._dynamo import config as dynamo_config
+
     from bench import harness
     from bench.ops import LIGER, OPS, QUICK_SHAPES, bytes_moved, make_inputs
     from hkernels import use_backend
 
     device = torch.device("cuda" if on_gpu else "cpu")
+    # torch.compile recompiles per shape; the default limit (8 per function) would fall back to eager silently.
+    for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, 4096)
     dtype = getattr(torch, args.dtype)
     ops = list(OPS) if args.ops == "all" else args.ops.split(",")
     backends = args.backends.split(",")
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     env = harness.environment(device)
     env["copy_gbps"] = round(copy, 1)
 
+    out = args.out or harness.default_out(device)
     jobs = [(op, s, mode, b) for op in ops for s in shapes_for(op) for mode in modes for b in backends]
     rows: list[harness.Row] = []
     compiled: dict[str, object] = {}
@@ -112,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             del x, params, dy, x64, p64, ref, ref_grads
             if on_gpu:
                 torch.cuda.empty_cache()
+            harness.write(out, rows, env)  # after every shape: an interrupted run keeps what it measured
 
-    out = args.out or harness.default_out(device)
     harness.write(out, rows, env)
     print(f"\ncopy bandwidth {copy:.0f} GB/s; results in {out}/ (results.csv, results.json, table.txt)\n")
     print(harness.table(rows))

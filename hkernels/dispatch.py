@@ -133,14 +133,35 @@ def use_backend(default: str | None = None, /, **per_op: str) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
+_prepared = False
+
+
+def prepare() -> None:
+    """Import, once and under the import lock, what a first op call would otherwise import lazily.
+
+    A custom op's first call imports torch._dynamo; Helion's import pulls in torch._inductor, which imports
+    torch._dynamo too. Done from two threads at once, the two chains wait on each other's module locks and
+    Python breaks the cycle by handing out half-initialised modules (seen on the H200: "partially initialized
+    module 'torch._dynamo'", after which every op failed in that process).
+    """
+    global _prepared
+    if _prepared:
+        return
+    with _import_lock:
+        if not _prepared:
+            import torch._dynamo  # noqa: F401
+
+            _prepared = True
+
+
 def _module(backend: str, op: str) -> ModuleType | str:
     """The backend's module for ``op``, or the reason it cannot be imported."""
     key = (backend, op)
     found = _module_cache.get(key)
     if found is None:
-        # One import at a time: first imports of helion (and the torch._dynamo/_inductor modules it pulls in)
-        # from several threads at once fail with "partially initialized module" errors (seen on the H200).
+        # One import at a time (see prepare).
         with _import_lock:
+            prepare()
             found = _module_cache.get(key)
             if found is None:
                 try:

@@ -26,7 +26,10 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _request(op: str) -> str:
-    return "" if torch.compiler.is_compiling() else dispatch.requested(op)
+    if torch.compiler.is_compiling():
+        return ""
+    dispatch.prepare()
+    return dispatch.requested(op)
 
 
 def _as_rows(x: Tensor) -> Tensor:

@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import MAX_RESIDENT_BWD, MAX_RESIDENT_FWD, persistent_programs, row_settings
+from triton_fallback._common import (
+    MAX_RESIDENT_BWD,
+    MAX_RESIDENT_FWD,
+    persistent_bwd_settings,
+    persistent_programs,
+    row_settings,
+)
 
 Tensor = torch.Tensor
 
@@ -96,6 +102,7 @@ def _layer_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,  # partials: [programs, N] fp32
     M, N, rows_per_program, stride_dy, stride_x, stride_dx,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # Resident rows, persistent: each program walks its run of rows, reads dy and x once, writes dx, and keeps
     # its share of dw and db in registers until the end.
@@ -108,7 +115,7 @@ def _layer_norm_bwd_kernel(
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    for start in range(first, last, BLOCK_M):
+    for start in tl.range(first, last, BLOCK_M, num_stages=NUM_STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < last
         mask = row_ok[:, None] & col_ok[None, :]
@@ -230,17 +237,19 @@ def layer_norm_bwd(
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     w = weight if weight is not None else x
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-    s = row_settings(N, M, MAX_RESIDENT_BWD)
-    if s.resident:
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m))
+    if N <= MAX_RESIDENT_BWD:
+        s = persistent_bwd_settings(N, M)
+        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=1)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _layer_norm_bwd_kernel[(programs,)](
             dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, triton.cdiv(M, programs),
             dy.stride(0), x.stride(0), dx.stride(0),
-            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps, num_stages=s.num_stages,
+            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
+            num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
+        s = row_settings(N, M, MAX_RESIDENT_BWD)
         c1 = torch.empty(M, dtype=torch.float32, device=x.device)
         c2 = torch.empty(M, dtype=torch.float32, device=x.device)
         _layer_norm_bwd_dot_kernel[(M,)](

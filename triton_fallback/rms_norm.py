@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import MAX_RESIDENT_BWD, MAX_RESIDENT_FWD, persistent_programs, row_settings
+from triton_fallback._common import (
+    MAX_RESIDENT_BWD,
+    MAX_RESIDENT_FWD,
+    persistent_bwd_settings,
+    persistent_programs,
+    row_settings,
+)
 
 Tensor = torch.Tensor
 
@@ -69,7 +75,7 @@ def _rms_norm_fwd_looped_kernel(
 def _rms_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,  # dw_part: [programs, N] float32
     M, N, rows_per_program, stride_dy, stride_x, stride_dx,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # Resident rows, persistent: each program walks its own run of rows, reads dy and x once, writes dx, and
     # keeps its share of dw in registers until the end (one [N] float32 row written per program).
@@ -81,7 +87,7 @@ def _rms_norm_bwd_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    for start in range(first, last, BLOCK_M):
+    for start in tl.range(first, last, BLOCK_M, num_stages=NUM_STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < last
         mask = row_ok[:, None] & col_ok[None, :]
@@ -179,17 +185,18 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
     M, N = x.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     w = weight if weight is not None else x
-    s = row_settings(N, M, MAX_RESIDENT_BWD)
-    if s.resident:
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m))
+    if N <= MAX_RESIDENT_BWD:
+        s = persistent_bwd_settings(N, M)
+        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=1)
         rows_per_program = triton.cdiv(M, programs)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _rms_norm_bwd_kernel[(programs,)](
             dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
-            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
             num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
+        s = row_settings(N, M, MAX_RESIDENT_BWD)
         c = torch.empty(M, dtype=torch.float32, device=x.device)
         _rms_norm_bwd_dot_kernel[(M,)](
             dy, x, w, c, N, dy.stride(0), x.stride(0),

@@ -41,20 +41,29 @@ def arch_of(device: torch.device) -> str:
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=256)
-def _config(arch: str, kernel: str, n: int) -> helion.Config:
+def _bucket(arch: str, kernel: str, n: int) -> dict[str, Any]:
     buckets = _table(arch).get(kernel)
     if not buckets:
         raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} ({arch})")
     for bucket in buckets:
         if bucket["max_n"] is None or n <= bucket["max_n"]:
-            return helion.Config(**bucket["config"])
+            return bucket
     raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} at N={n} ({arch})")
+
+
+@functools.lru_cache(maxsize=256)
+def _config(arch: str, kernel: str, n: int) -> helion.Config:
+    return helion.Config(**_bucket(arch, kernel, n)["config"])
 
 
 def config_for(kernel: str, n: int, device: torch.device) -> helion.Config:
     """The shipped config of ``kernel`` for rows of ``n`` elements on ``device``."""
     return _config(arch_of(device), kernel, n)
+
+
+def programs_per_sm(kernel: str, n: int, device: torch.device) -> int:
+    """For persistent kernels: programs per multiprocessor, a host-side launch setting kept beside the config."""
+    return int(_bucket(arch_of(device), kernel, n).get("programs_per_sm", 2))
 
 
 def _fit(config: helion.Config, default: helion.Config) -> helion.Config:

@@ -208,7 +208,7 @@ def layer_norm_bwd(
         return dx[:1], dw, db
     with_bias = bias is not None
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device)
+        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_layer_norm_bwd", N, x.device))
         dx, dw_part, db_part = _helion.run(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, x.device)
     else:
         c1, c2 = _helion.run(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, x.device)

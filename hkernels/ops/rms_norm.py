@@ -122,7 +122,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
         dx, dw = rms_norm_bwd(dy, x, weight, rstd)
         return dx[:1], dw
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device)
+        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_rms_norm_bwd", N, x.device))
         dx, dw_part = _helion.run(_rms_norm_bwd, (dy, x, weight, rstd, rows), N, x.device)
     else:
         c = _helion.run(_rms_norm_bwd_dot, (dy, x, weight), N, x.device)
