@@ -1,6 +1,7 @@
 """``python -m bench``: time every op on every backend at Llama-3 shapes, against the copy bandwidth of this GPU.
 
-For each op × shape × mode (fwd, fwd_bwd) × backend it reports the median time, the GB/s of the bytes the op
+For each op × shape × mode (fwd, fwd_bwd) × backend it reports the median GPU time (the call replayed as a CUDA
+graph; the per-call time from Python, host overhead included, is reported beside it), the GB/s of the bytes the op
 must move, that as a share of the device-to-device copy bandwidth measured in the same run, the speed relative
 to torch.compile, and the largest error against a float64 reference. Backends: helion and triton (hkernels),
 torch (plain PyTorch eager: F.rms_norm, F.layer_norm, torch.softmax), torch_compile (the same, compiled), and
@@ -10,6 +11,7 @@ liger (Liger-Kernel, when importable). Writes results.csv, results.json (with th
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +29,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd, fwd_bwd or both")
     p.add_argument("--shapes", default=None, help="MxN,MxN,... instead of each op's Llama-3 shapes")
     p.add_argument("--quick", action="store_true", help="a smoke pass on tiny shapes (the only mode on CPU)")
+    p.add_argument(
+        "--no-graph", action="store_true", help="time per call from Python only (default: GPU time from CUDA graphs)"
+    )
     p.add_argument("--out", type=Path, default=None, help="where to write results (default: bench/results/<gpu>)")
     return p.parse_args(argv)
 
@@ -43,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from torch._dynamo import config as dynamo_config
-
     from bench import harness
     from bench.ops import LIGER, OPS, QUICK_SHAPES, bytes_moved, make_inputs
-    from hkernels import use_backend
+    from hkernels import use_backend  # before anything imports triton: interpret mode must be set up first
+
+    dynamo_config = importlib.import_module("torch._dynamo.config")
 
     device = torch.device("cuda" if on_gpu else "cpu")
     # torch.compile recompiles per shape; the default limit (8 per function) would fall back to eager silently.
@@ -103,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     try:
                         row.max_err, step = _check_and_step(fn, mode, x, params, dy, ref, ref_grads)
-                        row.ms = harness.time_ms(step, device)
+                        row.ms_eager = row.ms = harness.time_ms(step, device)
+                        if on_gpu and not args.no_graph:
+                            try:
+                                row.ms, row.timing = harness.time_graph_ms(step, device), "graph"
+                            except Exception as e:  # keep the per-call time, and say why
+                                row.timing = f"per call (graph capture failed: {type(e).__name__})"
                         row.gbps = bytes_moved(op, mode, m, n, x.element_size()) / row.ms / 1e6
                         row.pct_copy = 100 * row.gbps / copy
                     except Exception as e:
@@ -124,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     harness.write(out, rows, env)
     print(f"\ncopy bandwidth {copy:.0f} GB/s; results in {out}/ (results.csv, results.json, table.txt)\n")
     print(harness.table(rows))
-    return 0
+    failed = [r for r in rows if r.error and r.backend in ("helion", "triton")]
+    for r in failed:
+        print(f"hkernels failed: {r.op} {r.m}x{r.n} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _callable(op, backend, compiled, liger, use_backend):

@@ -123,7 +123,7 @@ def _apply_helion(candidate: Candidate) -> Callable[[], None]:
 
     saved = (_helion.config_for, _helion.rows_per_program)
     config = helion.Config(**{k: v for k, v in candidate.items() if k != "per_sm"})
-    _helion.config_for = lambda kernel, n, device: config
+    _helion.config_for = lambda kernel, n, device, dtype=None: config
     if "per_sm" in candidate:
         _helion.rows_per_program = lambda m, device, per_sm=2: saved[1](m, device, candidate["per_sm"])
 

@@ -41,29 +41,34 @@ def arch_of(device: torch.device) -> str:
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _bucket(arch: str, kernel: str, n: int) -> dict[str, Any]:
+def _bucket(arch: str, kernel: str, n: int, dtype: torch.dtype) -> dict[str, Any]:
     buckets = _table(arch).get(kernel)
     if not buckets:
         raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} ({arch})")
+    name = str(dtype).removeprefix("torch.")
     for bucket in buckets:
-        if bucket["max_n"] is None or n <= bucket["max_n"]:
+        if (bucket["max_n"] is None or n <= bucket["max_n"]) and name in bucket.get("dtypes", [name]):
             return bucket
-    raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} at N={n} ({arch})")
+    raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} at N={n}, {name} ({arch})")
 
 
 @functools.lru_cache(maxsize=256)
-def _config(arch: str, kernel: str, n: int) -> helion.Config:
-    return helion.Config(**_bucket(arch, kernel, n)["config"])
+def _config(arch: str, kernel: str, n: int, dtype: torch.dtype) -> helion.Config:
+    return helion.Config(**_bucket(arch, kernel, n, dtype)["config"])
 
 
-def config_for(kernel: str, n: int, device: torch.device) -> helion.Config:
-    """The shipped config of ``kernel`` for rows of ``n`` elements on ``device``."""
-    return _config(arch_of(device), kernel, n)
+def config_for(kernel: str, n: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> helion.Config:
+    """The shipped config of ``kernel`` for rows of ``n`` elements of ``dtype`` on ``device``.
+
+    A bucket may name ``dtypes`` it is for: pipelined configs that fit shared memory for 16-bit rows may not for
+    float32 ones (seen on the H200: rms_norm backward at N=8192, float32, asked 320 KB of 227).
+    """
+    return _config(arch_of(device), kernel, n, dtype)
 
 
-def programs_per_sm(kernel: str, n: int, device: torch.device) -> int:
+def programs_per_sm(kernel: str, n: int, device: torch.device, dtype: torch.dtype) -> int:
     """For persistent kernels: programs per multiprocessor, a host-side launch setting kept beside the config."""
-    return int(_bucket(arch_of(device), kernel, n).get("programs_per_sm", 2))
+    return int(_bucket(arch_of(device), kernel, n, dtype).get("programs_per_sm", 2))
 
 
 def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
@@ -83,7 +88,8 @@ def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
 
 def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it."""
-    config = config_for(kernel.name, n, device)
+    dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+    config = config_for(kernel.name, n, device, dtype)
     bound = kernel.bind(args)
     compiled = bound.__dict__.setdefault("_hkernels_compiled", {})
     fn = compiled.get(config)

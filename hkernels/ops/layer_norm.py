@@ -208,11 +208,11 @@ def layer_norm_bwd(
         return dx[:1], dw, db
     with_bias = bias is not None
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_layer_norm_bwd", N, x.device))
+        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_layer_norm_bwd", N, x.device, x.dtype))
         dx, dw_part, db_part = _helion.run(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, x.device)
     else:
         c1, c2 = _helion.run(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, x.device)
-        block_n = _helion.config_for("_layer_norm_bwd_looped", N, x.device).block_sizes[0]
+        block_n = _helion.config_for("_layer_norm_bwd_looped", N, x.device, x.dtype).block_sizes[0]
         rows = _helion.rows_per_group(M, N, block_n, x.device)
         dx, dw_part, db_part = _helion.run(
             _layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N, x.device

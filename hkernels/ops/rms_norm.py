@@ -122,11 +122,11 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
         dx, dw = rms_norm_bwd(dy, x, weight, rstd)
         return dx[:1], dw
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_rms_norm_bwd", N, x.device))
+        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_rms_norm_bwd", N, x.device, x.dtype))
         dx, dw_part = _helion.run(_rms_norm_bwd, (dy, x, weight, rstd, rows), N, x.device)
     else:
         c = _helion.run(_rms_norm_bwd_dot, (dy, x, weight), N, x.device)
-        block_n = _helion.config_for("_rms_norm_bwd_looped", N, x.device).block_sizes[0]
+        block_n = _helion.config_for("_rms_norm_bwd_looped", N, x.device, x.dtype).block_sizes[0]
         rows = _helion.rows_per_group(M, N, block_n, x.device)
         dx, dw_part = _helion.run(_rms_norm_bwd_looped, (dy, x, weight, rstd, c, rows), N, x.device)
     return dx, (dw_part.sum(0).to(weight.dtype) if weight is not None else None)
