@@ -42,6 +42,7 @@ class RowSettings:
     block_n: int  # next_pow2(N) when resident, else the chunk length
     num_warps: int
     num_stages: int = 3  # software pipelining of the row loop in persistent kernels (Triton's default)
+    programs_per_sm: int = 2  # persistent kernels: programs per multiprocessor
 
 
 def row_settings(n: int, m: int, max_resident: int) -> RowSettings:
@@ -71,19 +72,21 @@ def row_settings(n: int, m: int, max_resident: int) -> RowSettings:
 
 
 def persistent_bwd_settings(n: int, m: int) -> RowSettings:
-    """Rows per loop step and warps for the persistent norm backward kernels (rows up to MAX_RESIDENT_BWD).
+    """Rows per loop step, warps, pipelining and programs per SM for the persistent norm backward kernels.
 
-    Measured on the H200 (python -m bench.sweep, bf16, 16384 rows, one program per multiprocessor, loop not
-    pipelined): 16384 elements per loop step with 16 warps was best (rms_norm 72% of copy at N=4096, 79% at
-    8192; layer_norm 68% and 64%), against 61-70% for one row at a time. The loop is now pipelined two deep (as
-    Helion's best config was, three deep); at 16384 elements a step that spills registers on sm90 (cuobjdump),
-    at 8192 it does not, so steps are 8192 elements.
+    From python -m bench.sweep on the H200 (bf16, 16384 rows), where Helion's twin kernel measured best with a
+    pipelined row loop: at N=4096 one row a step, 8 warps, 3 stages, 2 programs per SM (rms_norm 71% of copy for
+    the backward alone); at N=8192 one program per SM with 16 warps and 3 stages (rms_norm 87%, layer_norm 83%,
+    with 2 rows a step for rms_norm, which here spills registers on sm90 per cuobjdump, so 1). The same settings
+    are used here.
     """
     block_n = triton.next_power_of_2(n)
     if interpreting():
         return RowSettings(True, min(triton.next_power_of_2(m), max(1, 65536 // block_n)), block_n, 4)
-    block_m = min(triton.next_power_of_2(m), max(1, 8192 // block_n))
-    return RowSettings(True, block_m, block_n, 16 if block_m * block_n >= 4096 else 8, num_stages=2)
+    if block_n >= 8192:
+        return RowSettings(True, 1, block_n, 16, num_stages=3, programs_per_sm=1)
+    block_m = min(triton.next_power_of_2(m), max(1, 4096 // block_n))
+    return RowSettings(True, block_m, block_n, 8, num_stages=3, programs_per_sm=2)
 
 
 def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) -> int:

@@ -239,7 +239,7 @@ def layer_norm_bwd(
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=1)
+        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=s.programs_per_sm)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _layer_norm_bwd_kernel[(programs,)](

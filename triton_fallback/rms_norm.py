@@ -187,7 +187,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
     w = weight if weight is not None else x
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=1)
+        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=s.programs_per_sm)
         rows_per_program = triton.cdiv(M, programs)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _rms_norm_bwd_kernel[(programs,)](
