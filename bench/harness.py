@@ -82,22 +82,25 @@ def copy_gbps(device: torch.device) -> float:
 
 def environment(device: torch.device) -> dict[str, object]:
     def version(name: str) -> str:
-        try:
-            return __import__(name).__version__
-        except Exception as e:
-            return f"unavailable ({type(e).__name__})"
+        from importlib import metadata
 
-    try:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:  # a copy of the tree without .git (as sent to a lent GPU) can name its commit in HKERNELS_COMMIT
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("HKERNELS_COMMIT", "")
     env: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpret mode)",
         "torch": torch.__version__,
         "triton": version("triton"),
         "helion": version("helion"),
-        "liger_kernel": version("liger_kernel"),
+        "liger_kernel": version("liger-kernel"),
         "python": platform.python_version(),
         "commit": commit,
         "command": " ".join(["python -m bench", *sys.argv[1:]]),
