@@ -1,11 +1,14 @@
-"""``python -m bench``: time every op on every backend at Llama-3 shapes, against the copy bandwidth of this GPU.
+"""``python -m bench``: which kernel to use on this GPU, how close it is to the hardware, and whether it is right.
 
-For each op × shape × mode (fwd, fwd_bwd) × backend it reports the median GPU time (the call replayed as a CUDA
-graph; the per-call time from Python, host overhead included, is reported beside it), the GB/s of the bytes the op
-must move, that as a share of the device-to-device copy bandwidth measured in the same run, the speed relative
-to torch.compile, and the largest error against a float64 reference. Backends: helion and triton (hkernels),
-torch (plain PyTorch eager: F.rms_norm, F.layer_norm, torch.softmax), torch_compile (the same, compiled), and
-liger (Liger-Kernel, when importable). Writes results.csv, results.json (with the environment) and table.txt.
+For each op × shape × mode × backend: the median GPU time (the call replayed as a CUDA graph, L2 flushed between
+replays; the per-call time from Python, host overhead included, is reported beside it in µs), the GB/s of the
+bytes the op must move and their share of the device-to-device copy bandwidth measured in the same run, the speed
+relative to PyTorch eager and torch.compile, the extra peak memory of a call, and the largest error against a
+float64 reference. Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion,
+triton and auto (hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel,
+when importable). Writes results.csv, results.json (with the environment), table.txt, report.md and a PNG per op.
+
+``python -m bench compare OLD.json NEW.json`` lists what got slower or faster beyond the noise of the two runs.
 """
 
 from __future__ import annotations
@@ -18,25 +21,39 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger")
+BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger")
+DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="all", help="comma-separated ops (default: all)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}")
+    p.add_argument(
+        "--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd, fwd_bwd or both")
-    p.add_argument("--shapes", default=None, help="MxN,MxN,... instead of each op's Llama-3 shapes")
-    p.add_argument("--quick", action="store_true", help="a smoke pass on tiny shapes (the only mode on CPU)")
+    p.add_argument("--modes", "--mode", default="fwd,fwd_bwd", help="fwd, bwd, fwd_bwd (comma-separated)")
+    p.add_argument(
+        "--shapes",
+        default="llama3",
+        help="presets (llama3 = llama3-8b + llama3-70b, llama3-8b, llama3-70b, qwen, decode, prefill) and/or MxN "
+        "sizes, comma-separated",
+    )
+    p.add_argument("--quick", action="store_true", help="a smoke pass on two small shapes (the only mode on CPU)")
     p.add_argument(
         "--no-graph", action="store_true", help="time per call from Python only (default: GPU time from CUDA graphs)"
     )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib)")
     p.add_argument("--out", type=Path, default=None, help="where to write results (default: bench/results/<gpu>)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        from bench.compare import main as compare
+
+        return compare(argv[1:])
     args = _parse(argv)
     on_gpu = torch.cuda.is_available()
     interpret = os.environ.get("HKERNELS_INTERPRET", "") == "1"
@@ -48,42 +65,57 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from bench import harness
-    from bench.ops import LIGER, OPS, QUICK_SHAPES, bytes_moved, make_inputs
+    from bench import harness, report
+    from bench.ops import LIGER, MODES, OPS, PRESETS, QUICK_SHAPES, bytes_moved, make_inputs, preset_shapes
     from hkernels import use_backend  # before anything imports triton: interpret mode must be set up first
 
     dynamo_config = importlib.import_module("torch._dynamo.config")
-
-    device = torch.device("cuda" if on_gpu else "cpu")
     # torch.compile recompiles per shape; the default limit (8 per function) would fall back to eager silently.
     for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(dynamo_config, knob):
             setattr(dynamo_config, knob, 4096)
+
+    device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, args.dtype)
     ops = list(OPS) if args.ops == "all" else args.ops.split(",")
     backends = args.backends.split(",")
     modes = args.modes.split(",")
-    for name, known, what in ((ops, OPS, "op"), (backends, BACKENDS, "backend"), (modes, ("fwd", "fwd_bwd"), "mode")):
-        bad = [x for x in name if x not in known]
+    for names, known, what in ((ops, OPS, "op"), (backends, BACKENDS, "backend"), (modes, MODES, "mode")):
+        bad = [x for x in names if x not in known]
         if bad:
             print(f"unknown {what}(s) {', '.join(bad)}; choose from {', '.join(known)}", file=sys.stderr)
             return 2
-    if not on_gpu:
-        backends = [b for b in backends if b in ("helion", "triton", "torch")]
-    if args.shapes:
-        shapes_for = lambda op: [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    elif args.quick:
-        shapes_for = lambda op: QUICK_SHAPES
-    else:
-        shapes_for = lambda op: OPS[op].shapes
+    if not on_gpu:  # the smoke pass: interpreted kernels and eager PyTorch only
+        backends = [b for b in backends if b in ("helion", "triton", "auto", "torch")]
+
+    def shapes_for(op_name: str) -> list[tuple[int, int]]:
+        if args.quick:
+            return list(QUICK_SHAPES[device.type])
+        shapes: list[tuple[int, int]] = []
+        for item in args.shapes.split(","):
+            if item in PRESETS:
+                shapes += preset_shapes(item, OPS[op_name])
+            else:
+                m, _, n = item.partition("x")
+                shapes.append((int(m), int(n)))
+        return list(dict.fromkeys(shapes))
+
+    try:
+        for op in ops:
+            shapes_for(op)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     copy = harness.copy_gbps(device)
     print(f"device-to-device copy: {copy:.0f} GB/s (bytes read + written)", file=sys.stderr)
     env = harness.environment(device)
     env["copy_gbps"] = round(copy, 1)
-
+    env["dtype"] = args.dtype
     out = args.out or harness.default_out(device)
-    jobs = [(op, s, mode, b) for op in ops for s in shapes_for(op) for mode in modes for b in backends]
+
+    measured = [m for m in ("fwd", "fwd_bwd") if m in modes or "bwd" in modes]
+    total = sum(len(shapes_for(op)) for op in ops) * len(measured) * len(backends)
     rows: list[harness.Row] = []
     compiled: dict[str, object] = {}
     i = 0
@@ -96,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = op.ref(x64, *p64)
             ref_grads = torch.autograd.grad(ref, [x64, *p64], dy.double())
             ref = ref.detach()
-            for mode in modes:
-                group: list[harness.Row] = []
+            by_mode: dict[str, list[harness.Row]] = {}
+            for mode in measured:
+                group = by_mode.setdefault(mode, [])
                 for backend in backends:
                     i += 1
                     row = harness.Row(op_name, m, n, args.dtype, mode, backend)
@@ -109,39 +142,42 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         row.max_err, step = _check_and_step(fn, mode, x, params, dy, ref, ref_grads)
                         row.ms_eager = row.ms = harness.time_ms(step, device)
+                        row.us_call = row.ms_eager * 1e3
+                        row.peak_mib = harness.peak_mib(step, device)
                         if on_gpu and not args.no_graph:
                             try:
-                                row.ms, row.timing = harness.time_graph_ms(step, device), "graph"
+                                med, p20, p80 = harness.time_graph(step, device)
+                                row.ms, row.spread, row.timing = med, (p80 - p20) / med, "graph"
                             except Exception as e:  # keep the per-call time, and say why
                                 row.timing = f"per call (graph capture failed: {type(e).__name__})"
                         row.gbps = bytes_moved(op, mode, m, n, x.element_size()) / row.ms / 1e6
                         row.pct_copy = 100 * row.gbps / copy
                     except Exception as e:
                         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                    harness.progress(i, len(jobs), _line(row))
-                base = {r.backend: r.ms for r in group if r.ms}
-                for r in group:
-                    if r.ms and base.get("torch_compile"):
-                        r.vs_compile = base["torch_compile"] / r.ms
-                    if r.ms and base.get("torch"):
-                        r.vs_eager = base["torch"] / r.ms
-                rows.extend(group)
+                    harness.progress(i, total, _line(row))
+            if "bwd" in modes:
+                by_mode["bwd"] = _backward_rows(by_mode, op, m, n, x.element_size(), copy, bytes_moved)
+            for mode in modes:
+                _relative(by_mode[mode])
+                rows.extend(by_mode[mode])
             del x, params, dy, x64, p64, ref, ref_grads
             if on_gpu:
                 torch.cuda.empty_cache()
             harness.write(out, rows, env)  # after every shape: an interrupted run keeps what it measured
+        report.write(out, rows, env, plots=not args.no_plots)  # and the report after every op
 
     harness.write(out, rows, env)
-    print(f"\ncopy bandwidth {copy:.0f} GB/s; results in {out}/ (results.csv, results.json, table.txt)\n")
+    report.write(out, rows, env, plots=not args.no_plots)
+    print(f"\ncopy bandwidth {copy:.0f} GB/s; results in {out}/ (report.md, table.txt, results.csv/json, PNGs)\n")
     print(harness.table(rows))
-    failed = [r for r in rows if r.error and r.backend in ("helion", "triton")]
+    failed = [r for r in rows if r.error and r.backend in ("helion", "triton", "auto")]
     for r in failed:
         print(f"hkernels failed: {r.op} {r.m}x{r.n} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
 
 
 def _callable(op, backend, compiled, liger, use_backend):
-    if backend in ("helion", "triton"):
+    if backend in ("helion", "triton", "auto"):
 
         def run(*a):
             with use_backend(backend):
@@ -177,6 +213,38 @@ def _check_and_step(fn, mode, x, params, dy, ref, ref_grads):
     grads = torch.autograd.grad(y, inputs, dy)
     err = max([rel(y.detach(), ref)] + [rel(g, r) for g, r in zip(grads, ref_grads, strict=True)])
     return err, lambda: torch.autograd.grad(fn(xg, *pg), inputs, dy)
+
+
+def _backward_rows(by_mode, op, m, n, itemsize, copy, bytes_moved):
+    """The backward alone: forward+backward minus forward, per backend, both measured in this run."""
+    from bench.harness import Row
+
+    out = []
+    fwd = {r.backend: r for r in by_mode["fwd"]}
+    for both in by_mode["fwd_bwd"]:
+        row = Row(both.op, m, n, both.dtype, "bwd", both.backend, timing=f"fwd_bwd - fwd ({both.timing})")
+        f = fwd[both.backend]
+        if both.ms and f.ms and both.ms > f.ms:
+            row.ms = both.ms - f.ms
+            row.spread = ((both.spread or 0) * both.ms + (f.spread or 0) * f.ms) / row.ms
+            row.ms_eager = both.ms_eager - f.ms_eager if both.ms_eager and f.ms_eager else None
+            row.us_call = row.ms_eager * 1e3 if row.ms_eager else None
+            row.gbps = bytes_moved(op, "bwd", m, n, itemsize) / row.ms / 1e6
+            row.pct_copy = 100 * row.gbps / copy
+            row.max_err, row.peak_mib = both.max_err, both.peak_mib
+        else:
+            row.error = both.error or f.error or "forward+backward not slower than forward"
+        out.append(row)
+    return out
+
+
+def _relative(group) -> None:
+    base = {r.backend: r.ms for r in group if r.ms}
+    for r in group:
+        if r.ms and base.get("torch_compile"):
+            r.vs_compile = base["torch_compile"] / r.ms
+        if r.ms and base.get("torch"):
+            r.vs_eager = base["torch"] / r.ms
 
 
 def _line(row) -> str:

@@ -27,32 +27,54 @@ class Row:
     mode: str
     backend: str
     ms: float | None = None  # GPU time: the call replayed as a CUDA graph, so host overhead is not counted
+    spread: float | None = None  # (p80 - p20) / median of ms: the noise of this row in this run
     ms_eager: float | None = None  # per call, launched from Python: host overhead included where it dominates
+    us_call: float | None = None  # ms_eager in µs: the latency a caller sees at tiny shapes
     gbps: float | None = None
     pct_copy: float | None = None
     vs_compile: float | None = None  # torch.compile's time / this time (> 1: faster than torch.compile)
     vs_eager: float | None = None
+    peak_mib: float | None = None  # memory the call allocates beyond its inputs, at its peak (MiB)
     max_err: float | None = None  # max |out - float64 ref| / max |ref|, over y and every gradient
     timing: str = "per call"  # what ms is: "graph" (GPU time) or "per call"
     error: str = ""
 
 
-def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds of ``fn``: CUDA events with L2 flushed between runs (do_bench), or a host clock."""
+def time_quantiles(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+    """(median, p20, p80) milliseconds of ``fn``: CUDA events with L2 flushed between runs (do_bench), or a host
+    clock on CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        return float(med), float(p20), float(p80)
     fn()
     times = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
+    times.sort()
+    return times[2], times[1], times[3]
 
 
-def time_graph_ms(fn: Callable[[], object], device: torch.device) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    return time_quantiles(fn, device)[0]
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """MiB that one call of ``fn`` allocates beyond what was allocated before it, at its peak (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
     """Median milliseconds of ``fn`` captured once as a CUDA graph and replayed (L2 flushed between replays).
 
     This is the GPU time of the kernels alone. Launched from Python, a call whose host work (argument checks,
@@ -68,7 +90,7 @@ def time_graph_ms(fn: Callable[[], object], device: torch.device) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, device)
+    return time_quantiles(graph.replay, device)
 
 
 def copy_gbps(device: torch.device) -> float:
@@ -123,7 +145,7 @@ def _fmt(v: object, spec: str) -> str:
 def table(rows: Iterable[Row]) -> str:
     head = (
         f"{'op':<11} {'shape':>13} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
-        f"{'err':>8} {'ms/call':>9}"
+        f"{'vs eager':>8} {'err':>8} {'peak MiB':>9} {'µs/call':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -133,8 +155,8 @@ def table(rows: Iterable[Row]) -> str:
             continue
         lines.append(
             f"{r.op:<11} {shape:>13} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {_fmt(r.gbps, '7.0f')} "
-            f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.max_err, '8.1e')} "
-            f"{_fmt(r.ms_eager, '9.4f')}"
+            f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.vs_eager, '8.2f')} "
+            f"{_fmt(r.max_err, '8.1e')} {_fmt(r.peak_mib, '9.1f')} {_fmt(r.us_call, '9.1f')}"
         )
     return "\n".join(lines)
 
@@ -150,7 +172,13 @@ def write(out: Path, rows: list[Row], env: dict[str, object]) -> None:
 
 
 def progress(i: int, total: int, text: str) -> None:
-    print(f"[{i:>4}/{total}] {text}", file=sys.stderr, flush=True)
+    """A progress bar on a terminal; one line per row in a log."""
+    if sys.stderr.isatty():
+        done = int(30 * i / max(total, 1))
+        bar = "#" * done + "-" * (30 - done)
+        print(f"\r[{bar}] {i}/{total} {text[:80]:<80}", end="" if i < total else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"[{i:>4}/{total}] {text}", file=sys.stderr, flush=True)
 
 
 def default_out(device: torch.device) -> Path:

@@ -1,4 +1,4 @@
-"""What the benchmark runs: per op, the shapes, the bytes each mode must move, and one callable per backend."""
+"""What the benchmark runs: per op, the bytes each mode must move and one callable per backend; shape presets."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from hkernels import reference
 
 Tensor = torch.Tensor
 
-LLAMA_HIDDEN = (4096, 8192)  # Llama-3 8B, 70B
-LLAMA_VOCAB = 128256
-ROWS = (1, 256, 4096, 16384)  # tokens: decode .. long prefill
+MODES = ("fwd", "bwd", "fwd_bwd")
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class OpBench:
     ref: Callable[..., Tensor]  # float64 reference
     fwd_passes: int  # full [M, N] tensors the forward must move (read + write)
     bwd_passes: int  # and the backward
-    shapes: tuple[tuple[int, int], ...]
+    reduces_vocab: bool = False  # also benchmarked over a vocabulary (softmax over logits)
 
 
 def _liger() -> dict[str, Callable[..., Tensor]]:
@@ -47,8 +45,6 @@ def _liger() -> dict[str, Callable[..., Tensor]]:
 
 LIGER = _liger()
 
-_NORM_SHAPES = tuple((m, n) for n in LLAMA_HIDDEN for m in ROWS)
-
 OPS: dict[str, OpBench] = {
     "rms_norm": OpBench(
         "rms_norm",
@@ -58,7 +54,6 @@ OPS: dict[str, OpBench] = {
         ref=lambda x, w: reference.rms_norm(x, w, 1e-6),
         fwd_passes=2,  # read x, write y
         bwd_passes=3,  # read dy and x, write dx
-        shapes=_NORM_SHAPES,
     ),
     "layer_norm": OpBench(
         "layer_norm",
@@ -68,7 +63,6 @@ OPS: dict[str, OpBench] = {
         ref=lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
         fwd_passes=2,
         bwd_passes=3,
-        shapes=_NORM_SHAPES,
     ),
     "softmax": OpBench(
         "softmax",
@@ -78,17 +72,37 @@ OPS: dict[str, OpBench] = {
         ref=lambda x: reference.softmax(x, -1),
         fwd_passes=2,  # read x, write y
         bwd_passes=3,  # read dy and y, write dx
-        shapes=(*_NORM_SHAPES, (1024, LLAMA_VOCAB), (4096, LLAMA_VOCAB)),
+        reduces_vocab=True,
     ),
 }
 
-QUICK_SHAPES = ((4, 64), (3, 300))  # the smoke pass (CPU, interpret mode)
+# Models: hidden size and vocabulary. Rows are tokens (batch × sequence).
+MODELS = {"llama3-8b": (4096, 128256), "llama3-70b": (8192, 128256), "qwen": (3584, 152064)}  # Qwen2-7B
+TOKENS = (1, 256, 4096, 16384)
+PRESETS = ("llama3", *MODELS, "decode", "prefill")
+QUICK_SHAPES = {"cpu": ((4, 64), (3, 300)), "cuda": ((256, 4096), (4096, 4096))}
+
+
+def preset_shapes(preset: str, op: OpBench) -> list[tuple[int, int]]:
+    """[M, N] shapes of ``preset`` for ``op``: llama3 (8B and 70B), one model, decode (few tokens), prefill (many)."""
+    if preset == "llama3":
+        return sorted(set(preset_shapes("llama3-8b", op) + preset_shapes("llama3-70b", op)), key=lambda s: (s[1], s[0]))
+    if preset in MODELS:
+        hidden, vocab = MODELS[preset]
+        shapes = [(m, hidden) for m in TOKENS]
+        return shapes + ([(1024, vocab), (4096, vocab)] if op.reduces_vocab else [])
+    if preset == "decode":
+        return [(m, n) for n in (4096, 8192) for m in (1, 8, 64)]
+    if preset == "prefill":
+        shapes = [(m, n) for n in (4096, 8192) for m in (4096, 16384)]
+        return shapes + ([(4096, 128256)] if op.reduces_vocab else [])
+    raise ValueError(f"unknown shape preset {preset!r}; presets: {', '.join(PRESETS)}, or sizes like 4096x8192")
 
 
 def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int) -> int:
-    """The fewest bytes ``mode`` must move: each [M, N] tensor once, plus the [N] parameters."""
-    passes = op.fwd_passes + (op.bwd_passes if mode == "fwd_bwd" else 0)
-    params = len(op.params) * n * itemsize * (2 if mode == "fwd_bwd" else 1)  # read; and write their grads
+    """The fewest bytes ``mode`` must move: each [M, N] tensor once, plus the [N] parameters (and their grads)."""
+    passes = {"fwd": op.fwd_passes, "bwd": op.bwd_passes, "fwd_bwd": op.fwd_passes + op.bwd_passes}[mode]
+    params = len(op.params) * n * itemsize * {"fwd": 1, "bwd": 2, "fwd_bwd": 2}[mode]  # read; grads written
     return passes * m * n * itemsize + params
 
 

@@ -1,0 +1,68 @@
+"""``python -m bench compare OLD.json NEW.json``: what got slower or faster beyond the noise of the two runs.
+
+Rows are matched by (op, shape, dtype, mode, backend). Times are first scaled by each run's own copy bandwidth
+(the machines are shared: a run on a slower moment should not read as a regression of every kernel), then a
+change counts when it exceeds the noise of both rows: the sum of their (p80 − p20) / median spreads, at least
+``--min-change`` (3% by default). Exit status 1 when something regressed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(path: Path) -> tuple[dict[tuple, dict], float]:
+    data = json.loads(path.read_text())
+    copy = float(data.get("env", {}).get("copy_gbps") or 0) or 1.0
+    rows = {}
+    for r in data["rows"]:
+        if r.get("ms") and not r.get("error"):
+            rows[(r["op"], r["m"], r["n"], r["dtype"], r["mode"], r["backend"])] = r
+    return rows, copy
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("old", type=Path)
+    p.add_argument("new", type=Path)
+    p.add_argument("--min-change", type=float, default=0.03, help="smallest relative change reported (0.03 = 3%%)")
+    p.add_argument("--raw", action="store_true", help="compare raw times, not scaled by each run's copy bandwidth")
+    args = p.parse_args(argv)
+    for path in (args.old, args.new):
+        if not path.is_file():
+            p.error(f"no such results file: {path} (python -m bench writes results.json in its --out folder)")
+    old, old_copy = _rows(args.old)
+    new, new_copy = _rows(args.new)
+    scale = 1.0 if args.raw else new_copy / old_copy  # a faster machine moment would make new times look better
+    common = sorted(set(old) & set(new))
+    worse, better = [], []
+    for key in common:
+        o, n = old[key], new[key]
+        ratio = n["ms"] * scale / o["ms"]  # > 1: slower
+        noise = max(args.min_change, (o.get("spread") or 0) + (n.get("spread") or 0))
+        line = (
+            f"{key[0]} {key[1]}x{key[2]} {key[3]} {key[4]} {key[5]}: {o['ms']:.4f} -> {n['ms']:.4f} ms "
+            f"({(ratio - 1) * 100:+.1f}% after scaling, noise ±{noise * 100:.1f}%)"
+        )
+        if ratio > 1 + noise:
+            worse.append((ratio, line))
+        elif ratio < 1 / (1 + noise):
+            better.append((ratio, line))
+    print(f"{len(common)} rows in both runs; copy {old_copy:.0f} -> {new_copy:.0f} GB/s (times scaled by {scale:.3f})")
+    only_old, only_new = len(set(old) - set(new)), len(set(new) - set(old))
+    if only_old or only_new:
+        print(f"{only_old} rows only in {args.old}, {only_new} only in {args.new}")
+    print(f"\nregressions beyond noise: {len(worse)}")
+    for _, line in sorted(worse, reverse=True):
+        print(f"  slower  {line}")
+    print(f"improvements beyond noise: {len(better)}")
+    for _, line in sorted(better):
+        print(f"  faster  {line}")
+    return 1 if worse else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

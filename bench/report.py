@@ -1,0 +1,166 @@
+"""The benchmark's report: a markdown summary (geomean speedups, best backend, failures) and a PNG per op."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from bench.harness import Row
+
+LARGE_BYTES = 64 * 2**20  # rows that move at least this much are judged against the copy bandwidth
+
+
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def _large(r: Row) -> bool:
+    return bool(r.ms and r.gbps and r.gbps * r.ms * 1e6 >= LARGE_BYTES)
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summary_rows(rows: list[Row]) -> list[dict[str, object]]:
+    """Per op × backend: geomean speedups (all shapes, and ≥ 64 MiB ones) and median % of copy (≥ 64 MiB)."""
+    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        if r.ms and not r.error:
+            groups[(r.op, r.backend)].append(r)
+    out = []
+    for (op, backend), rs in sorted(groups.items()):
+        large = [r for r in rs if _large(r)]
+        out.append(
+            {
+                "op": op,
+                "backend": backend,
+                "vs_eager": _geomean([r.vs_eager for r in rs]),
+                "vs_compile": _geomean([r.vs_compile for r in rs]),
+                "vs_eager_large": _geomean([r.vs_eager for r in large]),
+                "vs_compile_large": _geomean([r.vs_compile for r in large]),
+                "pct_copy_large": statistics.median([r.pct_copy for r in large]) if large else None,
+                "rows": len(rs),
+            }
+        )
+    return out
+
+
+def _best(rows: list[Row]) -> list[str]:
+    """The fastest backend per op and mode over the ≥ 64 MiB shapes (geomean of time relative to the fastest)."""
+    lines = []
+    keyed: dict[tuple[str, str], dict[tuple[int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if _large(r) and not r.error:
+            keyed[(r.op, r.mode)][(r.m, r.n)][r.backend] = r.ms
+    for (op, mode), shapes in sorted(keyed.items()):
+        ratios: dict[str, list[float]] = defaultdict(list)
+        for times in shapes.values():
+            fastest = min(times.values())
+            for backend, ms in times.items():
+                ratios[backend].append(ms / fastest)
+        ranked = sorted((g, b) for b, v in ratios.items() if (g := _geomean(v)) is not None)
+        if ranked:
+            text = ", ".join(f"{b} {g:.2f}×" for g, b in ranked)
+            lines.append(f"| {op} | {mode} | {ranked[0][1]} | {text} |")
+    return lines
+
+
+def plot(out: Path, rows: list[Row], copy_gbps: float) -> list[str]:
+    """One PNG per op: GB/s against rows, a panel per (mode, N), a line per backend, the copy bandwidth dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for op in dict.fromkeys(r.op for r in rows):
+        mine = [r for r in rows if r.op == op and r.gbps]
+        modes = list(dict.fromkeys(r.mode for r in mine))
+        ns = sorted({r.n for r in mine})
+        if not mine:
+            continue
+        fig, axes = plt.subplots(len(modes), len(ns), figsize=(4.2 * len(ns), 3.2 * len(modes)), squeeze=False)
+        for i, mode in enumerate(modes):
+            for j, n in enumerate(ns):
+                ax = axes[i][j]
+                for backend in dict.fromkeys(r.backend for r in mine):
+                    pts = sorted((r.m, r.gbps) for r in mine if r.mode == mode and r.n == n and r.backend == backend)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+                ax.axhline(copy_gbps, color="black", linestyle="--", linewidth=1, label="copy")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"{op} {mode}, N={n}", fontsize=9)
+                ax.set_xlabel("rows (tokens)", fontsize=8)
+                ax.set_ylabel("GB/s", fontsize=8)
+                ax.tick_params(labelsize=7)
+                ax.grid(True, alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{op}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path.name)
+    return written
+
+
+def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True) -> Path:
+    """report.md (and the PNGs) in ``out``."""
+    copy = float(env.get("copy_gbps", 0) or 0)
+    pngs: list[str] = []
+    plot_note = ""
+    if plots:
+        try:
+            pngs = plot(out, rows, copy)
+        except ImportError:
+            plot_note = "No plots: matplotlib is not installed (pip install -e '.[bench]')."
+    lines = [
+        "# hkernels benchmark report",
+        "",
+        f"{env.get('device')} · torch {env.get('torch')} · triton {env.get('triton')} · helion {env.get('helion')} · "
+        f"liger-kernel {env.get('liger_kernel')} · commit {env.get('commit') or '?'} · {env.get('date')}",
+        "",
+        f"`{env.get('command')}` · dtype {env.get('dtype')} · device-to-device copy in this run: **{copy:.0f} GB/s**",
+        "",
+        "Times are GPU time (each call captured as a CUDA graph and replayed, L2 flushed between replays) unless a",
+        "row says otherwise; GB/s counts the bytes each op must move. Speedups are geomeans of time ratios over",
+        "all shapes, and over shapes that move ≥ 64 MiB (the ones judged against the copy bandwidth).",
+        "",
+        f"Rows timed per call from Python instead (no GPU, --no-graph, or capture failed): "
+        f"{sum(1 for r in rows if r.ms and 'graph' not in r.timing)} of {sum(1 for r in rows if r.ms)}.",
+        "",
+        "## Summary: speedup per op and backend",
+        "",
+        "| op | backend | vs eager | vs torch.compile | vs eager (≥ 64 MiB) | vs torch.compile (≥ 64 MiB) | "
+        "median % of copy (≥ 64 MiB) | rows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary_rows(rows):
+        lines.append(
+            f"| {s['op']} | {s['backend']} | {_f(s['vs_eager'], '.2f')} | {_f(s['vs_compile'], '.2f')} | "
+            f"{_f(s['vs_eager_large'], '.2f')} | {_f(s['vs_compile_large'], '.2f')} | "
+            f"{_f(s['pct_copy_large'], '.1f')} | {s['rows']} |"
+        )
+    best = _best(rows)
+    if best:
+        lines += [
+            "",
+            "## Which backend to use (shapes ≥ 64 MiB)",
+            "",
+            "| op | mode | fastest | geomean time relative to the fastest per shape |",
+            "|---|---|---|---|",
+            *best,
+        ]
+    failed = [r for r in rows if r.error]
+    if failed:
+        lines += ["", "## Rows that did not run", ""]
+        lines += [f"- {r.op} {r.m}×{r.n} {r.mode} {r.backend}: {r.error[:160]}" for r in failed]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{p}]({p})" for p in pngs] or [plot_note or "(none)"]
+    lines += ["", "Every row: [table.txt](table.txt), [results.csv](results.csv), [results.json](results.json).", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
