@@ -63,7 +63,7 @@ def _apply_triton(candidate: Candidate) -> Callable[[], None]:
     mods = (tl_rms, tl_ln, tl_sm)
     saved = [(m, m.row_settings, getattr(m, "persistent_programs", None)) for m in mods]
 
-    def settings(n: int, m: int, max_resident: int) -> common.RowSettings:
+    def settings(n: int, m: int, backward: bool = False) -> common.RowSettings:
         if "chunk" in candidate:
             return common.RowSettings(False, 1, candidate["chunk"], candidate["warps"])
         return common.RowSettings(

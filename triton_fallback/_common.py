@@ -45,21 +45,22 @@ class RowSettings:
     programs_per_sm: int = 2  # persistent kernels: programs per multiprocessor
 
 
-def row_settings(n: int, m: int, max_resident: int) -> RowSettings:
-    """Block shape and warps for M rows of N elements.
+def row_settings(n: int, m: int, backward: bool = False) -> RowSettings:
+    """Block shape and warps for M rows of N elements; ``backward`` for kernels that hold two rows (dy and y/x).
 
     Measured on the H200 (python -m bench.sweep, bf16, 16384 rows): about 8192 elements per program was best
     for the forward kernels (2 rows of 4096 with 8 warps: 89-90% of copy; 1 row of 8192 with 4 warps: 94-96%);
     long rows loop best over 8192-element chunks with 16 warps (softmax over 128256: 65%, pass 2 re-reads).
     """
     block_n = triton.next_power_of_2(n)
+    max_resident = MAX_RESIDENT_BWD if backward else MAX_RESIDENT_FWD
     if interpreting():
         # The interpreter runs programs one after another: few, large programs run fastest.
         if block_n <= max_resident:
             block_m = min(triton.next_power_of_2(m), max(1, 65536 // block_n))
             return RowSettings(True, block_m, block_n, 4)
         return RowSettings(False, 1, 32768, 4)
-    if block_n <= max_resident and max_resident == MAX_RESIDENT_BWD:
+    if block_n <= max_resident and backward:
         # Softmax backward rows hold dy and y: one row per program, more threads per row (16 warps from 4096:
         # 97-100% of copy measured).
         block_m = min(triton.next_power_of_2(m), max(1, 2048 // block_n))

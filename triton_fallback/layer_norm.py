@@ -19,7 +19,6 @@ import triton.language as tl
 
 from triton_fallback._common import (
     MAX_RESIDENT_BWD,
-    MAX_RESIDENT_FWD,
     persistent_bwd_settings,
     persistent_programs,
     row_settings,
@@ -215,7 +214,7 @@ def layer_norm_fwd(
     w = weight if weight is not None else x
     b = bias if bias is not None else x
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-    s = row_settings(N, M, MAX_RESIDENT_FWD)
+    s = row_settings(N, M)
     if s.resident:
         _layer_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps,
@@ -249,7 +248,7 @@ def layer_norm_bwd(
             num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
-        s = row_settings(N, M, MAX_RESIDENT_BWD)
+        s = row_settings(N, M, backward=True)
         c1 = torch.empty(M, dtype=torch.float32, device=x.device)
         c2 = torch.empty(M, dtype=torch.float32, device=x.device)
         _layer_norm_bwd_dot_kernel[(M,)](

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from triton_fallback._common import (
     MAX_RESIDENT_BWD,
-    MAX_RESIDENT_FWD,
     persistent_bwd_settings,
     persistent_programs,
     row_settings,
@@ -166,7 +165,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     w = weight if weight is not None else x
-    s = row_settings(N, M, MAX_RESIDENT_FWD)
+    s = row_settings(N, M)
     if s.resident:
         _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps,
@@ -196,7 +195,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
             num_warps=s.num_warps, num_stages=s.num_stages,
         )
     else:
-        s = row_settings(N, M, MAX_RESIDENT_BWD)
+        s = row_settings(N, M, backward=True)
         c = torch.empty(M, dtype=torch.float32, device=x.device)
         _rms_norm_bwd_dot_kernel[(M,)](
             dy, x, w, c, N, dy.stride(0), x.stride(0),

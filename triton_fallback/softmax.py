@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import MAX_RESIDENT_BWD, MAX_RESIDENT_FWD, row_settings
+from triton_fallback._common import row_settings
 
 Tensor = torch.Tensor
 
@@ -108,7 +108,7 @@ def softmax_fwd(x: Tensor) -> Tensor:
     """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    s = row_settings(N, M, MAX_RESIDENT_FWD)
+    s = row_settings(N, M)
     if s.resident:
         _softmax_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, y, M, N, x.stride(0), y.stride(0), BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps
@@ -124,7 +124,7 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     """dy, y: [M, N] -> dx [M, N] in y.dtype."""
     M, N = y.shape
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
-    s = row_settings(N, M, MAX_RESIDENT_BWD)
+    s = row_settings(N, M, backward=True)
     if s.resident:
         _softmax_bwd_kernel[(triton.cdiv(M, s.block_m),)](
             dy, y, dx, M, N, dy.stride(0), y.stride(0), dx.stride(0),
