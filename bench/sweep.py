@@ -1,6 +1,6 @@
 """``python -m bench.sweep``: time candidate launch settings of each kernel on this GPU; print and save the best.
 
-What the shipped Helion configs (``hkernels/configs/<arch>.json``) and the Triton launch heuristic
+What the shipped Helion configs (``hkernels/configs/<arch>/<op>.json``) and the Triton launch heuristic
 (``triton_fallback/_common.py``) were chosen from. It times the backend functions themselves (no dispatcher),
 bf16, on Llama-3 shapes, with one candidate forced at a time; it does not edit the tables.
 """

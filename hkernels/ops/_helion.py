@@ -1,6 +1,6 @@
 """Running Helion kernels with shipped configs: never autotune at call time.
 
-Configs live beside the code as data, in ``hkernels/configs/<arch>.json``: for each kernel a list of buckets
+Configs live beside the code as data, in ``hkernels/configs/<arch>/<op>.json``: for each kernel a list of buckets
 ``{"max_n": N or null, "config": {...}}``, the first bucket whose ``max_n`` covers the row length wins. The
 arch is ``sm<major><minor>`` of the input's GPU (``sm90`` when no table exists for it) and ``interpret`` in
 interpret mode, where large blocks make the interpreter fast.
@@ -23,10 +23,15 @@ _DEFAULT_ARCH = "sm90"
 
 @functools.lru_cache(maxsize=8)
 def _table(arch: str) -> dict[str, list[dict[str, Any]]]:
-    path = resources.files("hkernels.configs").joinpath(f"{arch}.json")
-    if not path.is_file():
-        path = resources.files("hkernels.configs").joinpath(f"{_DEFAULT_ARCH}.json")
-    return json.loads(path.read_text())
+    # One file per op (kernel names are unique across ops): the tables of all of an arch's files, merged.
+    folder = resources.files("hkernels.configs").joinpath(arch)
+    if not folder.is_dir():
+        folder = resources.files("hkernels.configs").joinpath(_DEFAULT_ARCH)
+    table: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".json"):
+            table.update(json.loads(path.read_text()))
+    return table
 
 
 @functools.lru_cache(maxsize=8)
