@@ -19,18 +19,34 @@ from hkernels.dispatch import (  # noqa: E402
     selected_backend,
     use_backend,
 )
-from hkernels.functional import layer_norm, rms_norm, softmax  # noqa: E402
+from hkernels.functional import (  # noqa: E402
+    add_rms_norm,
+    cross_entropy,
+    fused_linear_cross_entropy,
+    geglu,
+    layer_norm,
+    rms_norm,
+    rope,
+    softmax,
+    swiglu,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
     "HKernelsFallbackWarning",
+    "add_rms_norm",
     "backends",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "geglu",
     "layer_norm",
     "ops",
     "rms_norm",
+    "rope",
     "selected_backend",
     "softmax",
+    "swiglu",
     "use_backend",
 ]

@@ -10,6 +10,8 @@ The second part is the ``torch`` backend: ``<op>_fwd`` / ``<op>_bwd`` with the s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 Tensor = torch.Tensor
@@ -113,3 +115,206 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     ct = _compute_dtype(y.dtype)
     yf, dyf = y.to(ct), dy.to(ct)
     return (yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The LLM operator set: references written like the math, then the torch backend of each.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """y = silu(gate) · up."""
+    ct = _compute_dtype(gate.dtype)
+    return (torch.nn.functional.silu(gate.to(ct)) * up.to(ct)).to(gate.dtype)
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
+    """y = gelu(gate) · up, gelu exact (``"none"``) or its tanh approximation."""
+    ct = _compute_dtype(gate.dtype)
+    return (torch.nn.functional.gelu(gate.to(ct), approximate=approximate) * up.to(ct)).to(gate.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary embedding, Hugging Face's rotate_half form: x·cos + rotate_half(x)·sin for x in (q, k).
+
+    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (broadcast over heads).
+    """
+    ct = _compute_dtype(q.dtype)
+    c = cos.to(ct).unsqueeze(-3)  # [.., 1, S, D]: the same angle for every head
+    s = sin.to(ct).unsqueeze(-3)
+    qf, kf = q.to(ct), k.to(ct)
+    return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual) · weight, x + residual): the residual sum rounded to x's dtype, as in a model."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+) -> Tensor:
+    """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits)."""
+    ct = _compute_dtype(logits.dtype)
+    loss = torch.nn.functional.cross_entropy(
+        logits.to(ct), target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+    return loss.to(logits.dtype)
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
+
+
+def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    """gate, up: [M, N] -> y [M, N]."""
+    return swiglu(gate, up)
+
+
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """dgate = dy·up·σ(g)·(1 + g·(1 − σ(g))),  dup = dy·silu(g)."""
+    ct = _compute_dtype(gate.dtype)
+    g, u, d = gate.to(ct), up.to(ct), dy.to(ct)
+    sig = torch.sigmoid(g)
+    return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(up.dtype)
+
+
+def geglu_fwd(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    """gate, up: [M, N] -> y [M, N]."""
+    return geglu(gate, up, approximate)
+
+
+def geglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    """dgate = dy·up·gelu'(g),  dup = dy·gelu(g)."""
+    ct = _compute_dtype(gate.dtype)
+    g, u, d = gate.to(ct), up.to(ct), dy.to(ct)
+    if approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        t = torch.tanh(k * (g + 0.044715 * g**3))
+        gelu = 0.5 * g * (1 + t)
+        dgelu = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+    else:
+        gelu = 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+        dgelu = 0.5 * (1 + torch.erf(g / math.sqrt(2))) + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    return (d * u * dgelu).to(gate.dtype), (d * gelu).to(up.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool) -> Tensor:
+    # out1 = x1·c1 − x2·s1, out2 = x2·c2 + x1·s2; the transpose: dx1 = y1·c1 + y2·s2, dx2 = y2·c2 − y1·s1
+    ct = _compute_dtype(x.dtype)
+    half = x.shape[-1] // 2
+    xf = x.to(ct)
+    c, s = cos.to(ct).unsqueeze(1), sin.to(ct).unsqueeze(1)  # [Bc, 1, S, D]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+    if transpose:
+        out = torch.cat([x1 * c1 + x2 * s2, x2 * c2 - x1 * s1], dim=-1)
+    else:
+        out = torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
+    return out.to(x.dtype)
+
+
+def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [Bc, S, D] (Bc = 1 or B) -> (q_rot, k_rot)."""
+    return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+
+
+def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The transposed rotation of the upstream gradients."""
+    return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True)
+
+
+def add_rms_norm_fwd(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x, residual: [M, N] -> (y, s = x + residual, rstd [M] float32 of s)."""
+    s = x + residual
+    y, rstd = rms_norm_fwd(s, weight, eps)
+    return y, s, rstd
+
+
+def add_rms_norm_bwd(
+    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """dsum = rms_norm's dx at s + ds (the gradient of x and of residual); dw."""
+    ct = _compute_dtype(s.dtype)
+    sf, dyf, r = s.to(ct), dy.to(ct), rstd.to(ct)[:, None]
+    wdy = dyf * weight.to(ct) if weight is not None else dyf
+    dx = r * wdy - sf * r.pow(3) * (wdy * sf).mean(-1, keepdim=True)
+    if ds is not None:
+        dx = dx + ds.to(ct)
+    dw = (dyf * sf * r).sum(0).to(weight.dtype) if weight is not None else None
+    return dx.to(s.dtype), dw
+
+
+def cross_entropy_fwd(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+) -> Tensor:
+    """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits).
+
+    An out-of-range target (not ignore_index) gives a NaN loss and gradient row, as the kernels do.
+    """
+    ct = _compute_dtype(logits.dtype)
+    V = logits.shape[1]
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < V)
+    safe = torch.where(valid & in_range, target, 0)
+    logp = torch.log_softmax(logits.to(ct), dim=-1)
+    picked = logp.gather(1, safe[:, None])[:, 0]
+    loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
+    bad = valid & ~in_range
+    loss = torch.where(valid, torch.where(bad, float("nan"), loss), 0.0).float()
+    if grad is None:
+        return loss
+    g = logp.exp() - label_smoothing / V
+    g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -(1 - label_smoothing)))
+    s = torch.where(valid, torch.where(bad, float("nan"), scale.to(ct)), 0.0)
+    grad.copy_(g * s[:, None])
+    return loss
+
+
+def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, V] *= dloss [R], in place."""
+    ct = _compute_dtype(grad.dtype)
+    return grad.copy_(grad.to(ct) * dloss.to(ct)[:, None])
+
+
+def fused_linear_cross_entropy_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    with_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Chunked over tokens (the [T, V] logits never exist at once); see hkernels/_chunked.py."""
+    from hkernels import _chunked
+
+    return _chunked.linear_cross_entropy(
+        hidden, weight, target, bias, scale, ignore_index, label_smoothing, with_grad, cross_entropy_fwd
+    )
+
+
+def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, C] *= dloss [R], in place."""
+    return cross_entropy_bwd(dloss, grad)

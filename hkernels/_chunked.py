@@ -1,0 +1,73 @@
+"""Linear + cross-entropy without the [T, V] logits: the chunk loop every backend shares.
+
+For each chunk of C tokens: logits = hidden_c @ weightᵀ (+ bias), a [C, V] buffer; the backend's cross-entropy
+kernel reads it and, when gradients are wanted, overwrites it with ∂loss/∂logits (already scaled, e.g. by
+1/valid tokens for a mean); then grad_hidden_c = dlogits @ weight, grad_weight += dlogitsᵀ @ hidden_c and
+grad_bias += Σ dlogits. Only one chunk's logits exist at a time, so the extra memory is the gradients themselves
+plus C·V elements, against T·V (and their float32 softmax) for the unfused ops. The matmuls are PyTorch's (cuBLAS);
+the backend supplies the cross-entropy kernel.
+
+grad_weight accumulates in weight's dtype (a float32 accumulator would cost another 4·V·H bytes): every chunk's
+addmm sums in float32 inside cuBLAS and rounds once, so a 16-bit weight gets ⌈T/C⌉ roundings instead of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# Tokens per chunk: at least this many, so every matmul keeps the GPU busy and grad_weight's read-modify-write
+# (2·V·H bytes per chunk) stays small next to its 2·V·H·C flops.
+MIN_CHUNK = 1024
+
+
+def chunk_rows(t: int, h: int, v: int) -> int:
+    """Tokens per chunk: about T·H/V (a logits chunk the size of hidden), at least MIN_CHUNK, at most T."""
+    per_chunk = max(MIN_CHUNK, -(-t * h // v))
+    return max(1, min(t, 1 << (per_chunk - 1).bit_length()))
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    with_grad: bool,
+    cross_entropy_fwd: Callable[..., Tensor],
+    rows: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """hidden [T, H], weight [V, H], target [T], bias [V] or None (one dtype), scale [T] float32 (the gradients'
+    factor per token) -> (loss [T] float32, grad_hidden [T, H], grad_weight [V, H], grad_bias [V]) — gradients None
+    unless ``with_grad``; each in its input's dtype. ``cross_entropy_fwd`` is a backend's kernel (its contract)."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grad else None
+    grad_weight = torch.zeros_like(weight) if with_grad else None
+    grad_bias = torch.zeros(V, dtype=torch.float32, device=hidden.device) if with_grad and bias is not None else None
+    rows = rows or chunk_rows(T, H, V)
+    for start in range(0, T, rows):
+        end = min(start + rows, T)
+        h = hidden[start:end]
+        logits = F.linear(h, weight, bias)  # [C, V]
+        grad = logits if with_grad else None  # the gradient overwrites the logits in place
+        rows_loss = cross_entropy_fwd(logits, target[start:end], scale[start:end], ignore_index, label_smoothing, grad)
+        loss[start:end] = rows_loss
+        if grad is not None:
+            assert grad_hidden is not None and grad_weight is not None
+            torch.mm(grad, weight, out=grad_hidden[start:end])
+            grad_weight.addmm_(grad.t(), h)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0, dtype=torch.float32)
+        del logits, grad
+    if grad_bias is not None:
+        assert bias is not None
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss, grad_hidden, grad_weight, grad_bias

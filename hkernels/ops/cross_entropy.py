@@ -1,0 +1,98 @@
+"""Cross-entropy over a vocabulary in Helion (the twin of ``triton_fallback/cross_entropy.py``).
+
+Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
+    lse = log Σ_j exp(x_j),  loss = lse − (1−ε)·x_t − (ε/V)·Σ_j x_j
+    ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
+A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
+
+The forward, asked for the gradient, writes it in the same call (scaled per row): pass 1 reads the row with an
+online (max, sum), pass 2 reads it again and writes the gradient; a persistent grid (``pid_type`` in the config)
+keeps few rows in flight, so pass 2 mostly hits L2. The backward scales the stored gradient in place and skips
+rows whose factor is exactly 1. Row counts are dynamic; V is specialised.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels.ops import _helion
+
+Tensor = torch.Tensor
+
+
+@helion.kernel(static_shapes=False)
+def _cross_entropy_fwd(
+    logits: Tensor, target: Tensor, scale: Tensor, grad: Tensor | None, ignore_index: int, smoothing: float
+) -> Tensor:
+    # logits [T, V], target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given.
+    t_rows, v = logits.size()
+    v = hl.specialize(v)
+    loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
+    for tile_t in hl.tile(t_rows):
+        tgt = target[tile_t]
+        valid = tgt != ignore_index
+        in_range = (tgt >= 0) & (tgt < v)
+        row_max = hl.full([tile_t], float("-inf"), dtype=torch.float32)
+        row_sum = hl.zeros([tile_t], dtype=torch.float32)
+        x_sum = hl.zeros([tile_t], dtype=torch.float32)
+        x_t = hl.zeros([tile_t], dtype=torch.float32)
+        for tile_v in hl.tile(v):
+            inside = (tile_v.index < v)[None, :]
+            x = torch.where(inside, logits[tile_t, tile_v].to(torch.float32), float("-inf"))
+            new_max = torch.maximum(row_max, torch.amax(x, dim=-1))
+            # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
+            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum = row_sum * torch.exp(row_max - shift) + torch.sum(torch.exp(x - shift[:, None]), dim=-1)
+            row_max = new_max
+            x_sum = x_sum + torch.sum(torch.where(inside, x, 0.0), dim=-1)
+            # x_t picked out in passing (a compare per element) rather than by a gathered load
+            x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
+        lse = row_max + torch.log(row_sum)
+        row_loss = lse - (1.0 - smoothing) * x_t - smoothing / v * x_sum
+        loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
+        if grad is not None:
+            s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
+            for tile_w in hl.tile(v):
+                x = logits[tile_t, tile_w].to(torch.float32)
+                hit = tile_w.index[None, :] == tgt[:, None]
+                g = torch.exp(x - lse[:, None]) - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
+                grad[tile_t, tile_w] = (g * s[:, None]).to(grad.dtype)
+    return loss
+
+
+@helion.kernel(static_shapes=False)
+def _cross_entropy_bwd(grad: Tensor, dloss: Tensor) -> None:
+    # grad [R, V] *= dloss [R], in place; a row whose factor is exactly 1 is neither read nor written (masked).
+    r, v = grad.size()
+    for tile_r, tile_v in hl.tile([r, v]):
+        g = dloss[tile_r].to(torch.float32)
+        scaled = (g != 1.0)[:, None]
+        x = hl.load(grad, [tile_r, tile_v], extra_mask=scaled).to(torch.float32)
+        hl.store(grad, [tile_r, tile_v], (x * g[:, None]).to(grad.dtype), extra_mask=scaled)
+
+
+def cross_entropy_fwd(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+) -> Tensor:
+    """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
+    per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
+    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
+    T, V = logits.shape
+    if T == 1:  # the Helion 1.5.0 size-1 bug (see _helion.pad_single_row): add a second row, ignored
+        logits2, scale2 = _helion.pad_single_row(logits, scale.expand(1))
+        target2 = torch.cat([target, target.new_full((1,), ignore_index)])
+        grad2 = torch.empty_like(logits2) if grad is not None else None
+        loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2)
+        if grad is not None:
+            grad.copy_(grad2[:1])
+        return loss[:1]
+    args = (logits, target, scale, grad, int(ignore_index), float(label_smoothing))
+    return _helion.run(_cross_entropy_fwd, args, V, logits.device)
+
+
+def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, V] *= dloss [R] (any stride, stride 0 for one factor), in place; rows with factor 1 untouched."""
+    _helion.run(_cross_entropy_bwd, (grad, dloss), grad.shape[1], grad.device)
+    return grad

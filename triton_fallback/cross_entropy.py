@@ -1,0 +1,124 @@
+"""Cross-entropy over a vocabulary in hand-written Triton (the twin of ``hkernels/ops/cross_entropy.py``).
+
+Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
+    lse = log Σ_j exp(x_j),  loss = lse − (1−ε)·x_t − (ε/V)·Σ_j x_j
+    ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
+A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
+
+The forward, asked for the gradient, writes it in the same call (scaled per row, e.g. by 1/valid rows for a
+mean): pass 1 reads the row once with an online (max, sum); pass 2 reads it again and writes the gradient. A
+persistent grid keeps few rows in flight, so pass 2 mostly reads L2, not HBM: bytes ≈ read T·V once, write T·V
+once. The backward then only scales the stored gradient by the upstream gradient, in place, and skips rows whose
+factor is exactly 1 (the usual ``loss.backward()``), so it moves nothing in the common case.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import interpreting, persistent_programs
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    logits_ptr,  # [T, V], unit column stride
+    target_ptr,  # [T] int64
+    scale_ptr,  # [T] float32, any stride (0: one factor for all rows): the gradient's factor per row
+    loss_ptr,  # [T] float32 out
+    grad_ptr,  # [T, V] out (logits' dtype), when HAS_GRAD
+    T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing,
+    HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
+        row64 = tl.cast(row, tl.int64)
+        x_row = logits_ptr + row64 * stride_logits
+        t = tl.load(target_ptr + row64)
+        valid = t != ignore_index
+        in_range = (t >= 0) & (t < V)
+        # Pass 1: online max and Σ exp (rescaled when the max grows), and Σ x for label smoothing.
+        row_max = tl.full([], -float("inf"), dtype=tl.float32)
+        row_sum = tl.full([], 0.0, dtype=tl.float32)
+        x_sum = tl.full([], 0.0, dtype=tl.float32)
+        for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            row_max = new_max
+            x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        lse = row_max + tl.log(row_sum)
+        x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
+        loss = lse - (1.0 - smoothing) * x_t - smoothing / V * x_sum
+        loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
+        tl.store(loss_ptr + row64, loss)
+        if HAS_GRAD:
+            # Pass 2: the row again (from L2 when few rows are in flight), the gradient out.
+            s = tl.load(scale_ptr + row64 * stride_scale).to(tl.float32)
+            s = tl.where(valid, tl.where(in_range, s, float("nan")), 0.0)
+            g_row = grad_ptr + row64 * stride_grad
+            for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
+                cols = start + tl.arange(0, BLOCK_V)
+                x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+                tl.store(g_row + cols, (g * s).to(grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    grad_ptr,  # [R, V], scaled in place
+    dloss_ptr,  # [R], any stride (0: one factor for all rows)
+    V, stride_grad, stride_dloss,
+    BLOCK_V: tl.constexpr,
+):
+    # Reads and writes a row only when its factor is not exactly 1.
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(dloss_ptr + row * stride_dloss).to(tl.float32)
+    if g != 1.0:
+        g_row = grad_ptr + row * stride_grad
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(g_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            tl.store(g_row + cols, (x * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+def _settings(v: int) -> tuple[int, int, int, int]:
+    """(BLOCK_V, warps, pipeline stages, programs per SM). Interpreter: one big block, few programs."""
+    if interpreting():
+        return min(triton.next_power_of_2(v), 32768), 4, 1, 1
+    block = min(triton.next_power_of_2(v), 8192)
+    return block, max(4, min(16, block // 512)), 2, 2
+
+
+def cross_entropy_fwd(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+) -> Tensor:
+    """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
+    per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
+    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
+    T, V = logits.shape
+    loss = torch.empty(T, dtype=torch.float32, device=logits.device)
+    block, warps, stages, per_sm = _settings(V)
+    grid = (persistent_programs(logits.device, T, per_sm),)
+    _cross_entropy_fwd_kernel[grid](
+        logits, target, scale, loss, grad if grad is not None else loss,
+        T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
+        ignore_index, label_smoothing,
+        HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, num_warps=warps,
+    )
+    return loss
+
+
+def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, V] *= dloss [R] (any stride, stride 0 for one factor), in place; rows with factor 1 untouched."""
+    R, V = grad.shape
+    block = min(triton.next_power_of_2(V), 32768 if interpreting() else 4096)
+    _cross_entropy_bwd_kernel[(R,)](
+        grad, dloss, V, grad.stride(0), dloss.stride(0), BLOCK_V=block, num_warps=4 if block <= 2048 else 8
+    )
+    return grad
