@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from bench import harness, report
-    from bench.ops import LIGER, MODES, OPS, PRESETS, QUICK_SHAPES, bytes_moved, make_inputs, preset_shapes
+    from bench.ops import MODES, OPS, PRESETS, make_inputs, preset_shapes, quick_shapes
     from hkernels import use_backend  # before anything imports triton: interpret mode must be set up first
 
     dynamo_config = importlib.import_module("torch._dynamo.config")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def shapes_for(op_name: str) -> list[tuple[int, int]]:
         if args.quick:
-            return list(QUICK_SHAPES[device.type])
+            return quick_shapes(OPS[op_name], device)
         shapes: list[tuple[int, int]] = []
         for item in args.shapes.split(","):
             if item in PRESETS:
@@ -122,12 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     for op_name in ops:
         op = OPS[op_name]
         for m, n in shapes_for(op_name):
-            x, params, dy = make_inputs(op, m, n, dtype, device)
-            x64 = x.double().requires_grad_()
-            p64 = [p.double().requires_grad_() for p in params]
-            ref = op.ref(x64, *p64)
-            ref_grads = torch.autograd.grad(ref, [x64, *p64], dy.double())
-            ref = ref.detach()
+            inputs = make_inputs(op, m, n, dtype, device)
+            itemsize = inputs[0].element_size()
+            ups, ref, ref_grads = _reference(op, inputs)
             by_mode: dict[str, list[harness.Row]] = {}
             for mode in measured:
                 group = by_mode.setdefault(mode, [])
@@ -135,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                     i += 1
                     row = harness.Row(op_name, m, n, args.dtype, mode, backend)
                     group.append(row)
-                    fn = _callable(op, backend, compiled, LIGER, use_backend)
+                    fn = _callable(op, backend, compiled, use_backend)
                     if fn is None:
                         row.error = "not available here"
                         continue
                     try:
-                        row.max_err, step = _check_and_step(fn, mode, x, params, dy, ref, ref_grads)
+                        row.max_err, step = _check_and_step(fn, mode, inputs, op.diff, ups, ref, ref_grads)
                         row.ms_eager = row.ms = harness.time_ms(step, device)
                         row.us_call = row.ms_eager * 1e3
                         row.peak_mib = harness.peak_mib(step, device)
@@ -150,17 +147,16 @@ def main(argv: list[str] | None = None) -> int:
                                 row.ms, row.spread, row.timing = med, (p80 - p20) / med, "graph"
                             except Exception as e:  # keep the per-call time, and say why
                                 row.timing = f"per call (graph capture failed: {type(e).__name__})"
-                        row.gbps = bytes_moved(op, mode, m, n, x.element_size()) / row.ms / 1e6
-                        row.pct_copy = 100 * row.gbps / copy
+                        _rates(row, op, copy, itemsize)
                     except Exception as e:
                         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                     harness.progress(i, total, _line(row))
             if "bwd" in modes:
-                by_mode["bwd"] = _backward_rows(by_mode, op, m, n, x.element_size(), copy, bytes_moved)
+                by_mode["bwd"] = _backward_rows(by_mode, op, copy, itemsize)
             for mode in modes:
                 _relative(by_mode[mode])
                 rows.extend(by_mode[mode])
-            del x, params, dy, x64, p64, ref, ref_grads
+            del inputs, ups, ref, ref_grads
             if on_gpu:
                 torch.cuda.empty_cache()
             harness.write(out, rows, env)  # after every shape: an interrupted run keeps what it measured
@@ -176,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _callable(op, backend, compiled, liger, use_backend):
+def _callable(op, backend, compiled, use_backend):
     if backend in ("helion", "triton", "auto"):
 
         def run(*a):
@@ -192,11 +188,30 @@ def _callable(op, backend, compiled, liger, use_backend):
             compiled[key] = torch.compile(op.eager, dynamic=False)
         return compiled[key]
     if backend == "liger":
-        return liger.get(op.name)
+        return op.liger
     raise ValueError(backend)
 
 
-def _check_and_step(fn, mode, x, params, dy, ref, ref_grads):
+def _outputs(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _reference(op, inputs):
+    """Upstream gradients (random; exactly 1 for a scalar loss, as ``loss.backward()`` gives), and the float64
+    reference outputs and gradients."""
+    ins64 = [t.double().requires_grad_(i in op.diff) if t.is_floating_point() else t for i, t in enumerate(inputs)]
+    ref = _outputs(op.ref(*ins64))
+    g = torch.Generator(device=inputs[0].device).manual_seed(1)
+    ups = [
+        torch.ones_like(r) if r.dim() == 0 else torch.randn(r.shape, generator=g, device=r.device, dtype=r.dtype)
+        for r in ref
+    ]
+    ref_grads = torch.autograd.grad(ref, [ins64[i] for i in op.diff], ups)
+    dtype = inputs[0].dtype
+    return [u.to(dtype) for u in ups], [r.detach() for r in ref], ref_grads
+
+
+def _check_and_step(fn, mode, inputs, diff, ups, ref, ref_grads):
     """Run once against the float64 reference (relative max error); return the error and the step to time."""
 
     def rel(got, want):
@@ -204,33 +219,45 @@ def _check_and_step(fn, mode, x, params, dy, ref, ref_grads):
 
     if mode == "fwd":
         with torch.no_grad():
-            err = rel(fn(x, *params), ref)
-        return err, lambda: fn(x, *params)
-    xg = x.detach().clone().requires_grad_()
-    pg = [p.detach().clone().requires_grad_() for p in params]
-    inputs = [xg, *pg]
-    y = fn(xg, *pg)
-    grads = torch.autograd.grad(y, inputs, dy)
-    err = max([rel(y.detach(), ref)] + [rel(g, r) for g, r in zip(grads, ref_grads, strict=True)])
-    return err, lambda: torch.autograd.grad(fn(xg, *pg), inputs, dy)
+            err = max(rel(o, r) for o, r in zip(_outputs(fn(*inputs)), ref, strict=True))
+        return err, lambda: fn(*inputs)
+    # Fresh copies that get gradients (a peer may write into its inputs: Liger's cross-entropy does).
+    ins = [t.detach().clone().requires_grad_(i in diff) if i in diff else t for i, t in enumerate(inputs)]
+    wrt = [ins[i] for i in diff]
+    outs = _outputs(fn(*ins))
+    grads = torch.autograd.grad(outs, wrt, ups)
+    err = max([rel(o.detach(), r) for o, r in zip(outs, ref, strict=True)]
+              + [rel(g, r) for g, r in zip(grads, ref_grads, strict=True)])
+    return err, lambda: torch.autograd.grad(_outputs(fn(*ins)), wrt, ups)
 
 
-def _backward_rows(by_mode, op, m, n, itemsize, copy, bytes_moved):
+def _rates(row, op, copy, itemsize) -> None:
+    from bench.ops import bytes_moved, flops
+
+    moved = bytes_moved(op, row.mode, row.m, row.n, itemsize)
+    if moved is not None:
+        row.gbps = moved / row.ms / 1e6
+        row.pct_copy = 100 * row.gbps / copy
+    work = flops(op, row.mode, row.m, row.n)
+    if work is not None:
+        row.tflops = work / row.ms / 1e9
+
+
+def _backward_rows(by_mode, op, copy, itemsize):
     """The backward alone: forward+backward minus forward, per backend, both measured in this run."""
     from bench.harness import Row
 
     out = []
     fwd = {r.backend: r for r in by_mode["fwd"]}
     for both in by_mode["fwd_bwd"]:
-        row = Row(both.op, m, n, both.dtype, "bwd", both.backend, timing=f"fwd_bwd - fwd ({both.timing})")
+        row = Row(both.op, both.m, both.n, both.dtype, "bwd", both.backend, timing=f"fwd_bwd - fwd ({both.timing})")
         f = fwd[both.backend]
         if both.ms and f.ms and both.ms > f.ms:
             row.ms = both.ms - f.ms
             row.spread = ((both.spread or 0) * both.ms + (f.spread or 0) * f.ms) / row.ms
             row.ms_eager = both.ms_eager - f.ms_eager if both.ms_eager and f.ms_eager else None
             row.us_call = row.ms_eager * 1e3 if row.ms_eager else None
-            row.gbps = bytes_moved(op, "bwd", m, n, itemsize) / row.ms / 1e6
-            row.pct_copy = 100 * row.gbps / copy
+            _rates(row, op, copy, itemsize)
             row.max_err, row.peak_mib = both.max_err, both.peak_mib
         else:
             row.error = both.error or f.error or "forward+backward not slower than forward"
@@ -251,7 +278,8 @@ def _line(row) -> str:
     what = f"{row.op} {row.m}x{row.n} {row.mode} {row.backend}"
     if row.error:
         return f"{what}: {row.error[:100]}"
-    return f"{what}: {row.ms:.4f} ms, {row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy), max err {row.max_err:.1e}"
+    rate = f"{row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy)" if row.gbps else f"{row.tflops or 0:.0f} TFLOP/s"
+    return f"{what}: {row.ms:.4f} ms, {rate}, peak {row.peak_mib or 0:.0f} MiB, max err {row.max_err:.1e}"
 
 
 if __name__ == "__main__":

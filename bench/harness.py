@@ -32,6 +32,7 @@ class Row:
     us_call: float | None = None  # ms_eager in µs: the latency a caller sees at tiny shapes
     gbps: float | None = None
     pct_copy: float | None = None
+    tflops: float | None = None  # compute-bound ops (fused_linear_cross_entropy): the matmuls' flops per second
     vs_compile: float | None = None  # torch.compile's time / this time (> 1: faster than torch.compile)
     vs_eager: float | None = None
     peak_mib: float | None = None  # memory the call allocates beyond its inputs, at its peak (MiB)
@@ -142,19 +143,25 @@ def _fmt(v: object, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _short(op: str) -> str:
+    return {"fused_linear_cross_entropy": "linear_ce", "cross_entropy": "cross_entr."}.get(op, op)
+
+
 def table(rows: Iterable[Row]) -> str:
+    """One line per row; compute-bound rows show TFLOP/s in the GB/s column (e.g. ``512TF``)."""
     head = (
-        f"{'op':<11} {'shape':>13} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
+        f"{'op':<13} {'shape':>13} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
         f"{'vs eager':>8} {'err':>8} {'peak MiB':>9} {'µs/call':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         shape = f"{r.m}x{r.n}"
         if r.error:
-            lines.append(f"{r.op:<11} {shape:>13} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
+            lines.append(f"{_short(r.op):<13} {shape:>13} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
             continue
+        rate = _fmt(r.gbps, "7.0f") if r.gbps or r.tflops is None else _fmt(r.tflops, "5.0f") + "TF"
         lines.append(
-            f"{r.op:<11} {shape:>13} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {_fmt(r.gbps, '7.0f')} "
+            f"{_short(r.op):<13} {shape:>13} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {rate} "
             f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.vs_eager, '8.2f')} "
             f"{_fmt(r.max_err, '8.1e')} {_fmt(r.peak_mib, '9.1f')} {_fmt(r.us_call, '9.1f')}"
         )

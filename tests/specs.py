@@ -118,9 +118,10 @@ def max_error(
         return f"{name}: shape {list(out.shape)} != reference {list(ref.shape)}"
     if out.numel() == 0:
         return None
-    err = (out.double() - ref).abs()
-    base_err = (base.double() - ref).abs().max().item()
-    scale = max(1.0, ref.abs().max().item())
+    both_nan = torch.isnan(out.double()) & torch.isnan(ref)  # NaN where PyTorch gives NaN (a mean over no tokens)
+    err = (out.double() - ref).abs().masked_fill(both_nan, 0.0)
+    base_err = torch.nan_to_num((base.double() - ref).abs().masked_fill(both_nan, 0.0), nan=0.0).max().item()
+    scale = max(1.0, torch.nan_to_num(ref.abs(), nan=0.0).max().item())
     allowed = factor * base_err + atol * scale + TOLERANCES[torch.float32][1] * term_scale
     worst = torch.nan_to_num(err, nan=float("inf")).argmax().item()
     worst_err = err.flatten()[worst].item()
@@ -132,3 +133,166 @@ def max_error(
         f"{ref.flatten()[worst].item():.6g}); allowed {allowed:.3g} = {factor} x same-dtype torch error "
         f"{base_err:.3g} + {atol} x {scale:.3g} + float32 floor x terms {term_scale:.3g}"
     )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The LLM operator set. Each op's inputs are more varied than [M, N] + parameters, so a case is a function that
+# draws float64 inputs: ``Case.make(generator)`` returns (tensors, other arguments); ``grads`` names the tensors
+# that get a gradient. Outputs may be a tuple; each output gets a fresh upstream gradient (for a scalar loss, a
+# random factor, or exactly 1: the path where the loss backward moves nothing).
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    name: str
+    make: Callable[[torch.Generator], tuple[dict[str, Tensor], dict[str, Any]]]
+    grads: tuple[str, ...]
+    unit_upstream: bool = False  # upstream gradient exactly 1 (scalar losses)
+    gpu_only: bool = False
+    min_chunk: int | None = None  # fused_linear_cross_entropy: tokens per chunk, small to test several chunks
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}"
+
+
+def _randn(g: torch.Generator, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Tensor:
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift
+
+
+def _halves(g: torch.Generator, m: int, n: int) -> tuple[Tensor, Tensor]:
+    """gate and up as the two column halves of one [M, 2N] projection output (row stride 2N)."""
+    both = _randn(g, m, 2 * n, scale=2.0)
+    return both[:, :n], both[:, n:]
+
+
+def _gated(op: str, shapes: list[tuple[str, tuple[int, ...]]], **kwargs: Any) -> list[Case]:
+    suffix = "".join(f"-{k}={v}" for k, v in kwargs.items())
+    cases = [
+        Case(op, f"{name}{suffix}",
+             lambda g, s=shape: ({"gate": _randn(g, *s, scale=2.0), "up": _randn(g, *s)}, dict(kwargs)),
+             ("gate", "up"))
+        for name, shape in shapes
+    ]
+    cases.append(Case(op, f"halves{suffix}", lambda g: (dict(zip(("gate", "up"), _halves(g, 9, 40), strict=True)),
+                                                        dict(kwargs)), ("gate", "up")))
+    return cases
+
+
+def _rope_case(name: str, b: int, hq: int, hk: int, s: int, d: int, batch_tables: bool = False,
+               transposed: bool = False, gpu_only: bool = False) -> Case:
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        if transposed:  # q, k as views of [B, S, H, D] projections: strides (S·H·D, D, H·D, 1)
+            q = _randn(g, b, s, hq, d).transpose(1, 2)
+            k = _randn(g, b, s, hk, d).transpose(1, 2)
+        else:
+            q, k = _randn(g, b, hq, s, d), _randn(g, b, hk, s, d)
+        angles = _randn(g, *((b,) if batch_tables else ()), s, d, scale=3.0)  # any angles, halves not tied
+        return {"q": q, "k": k, "cos": torch.cos(angles), "sin": torch.sin(angles)}, {}
+
+    return Case("rope", name, make, ("q", "k"), gpu_only=gpu_only)
+
+
+def _targets(g: torch.Generator, t: int, v: int, ignored: float = 0.2, ignore_index: int = -100) -> Tensor:
+    target = torch.randint(0, v, (t,), generator=g)
+    drop = torch.rand(t, generator=g) < ignored
+    return torch.where(drop, ignore_index, target)
+
+
+def _ce_case(name: str, t: int, v: int, unit: bool = False, ignored: float = 0.2, gpu_only: bool = False,
+             **kwargs: Any) -> Case:
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        target = _targets(g, t, v, ignored, kwargs.get("ignore_index", -100))
+        return {"logits": _randn(g, t, v, scale=3.0)}, {"target": target, **kwargs}
+
+    return Case("cross_entropy", name, make, ("logits",), unit_upstream=unit, gpu_only=gpu_only)
+
+
+def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool = False, ignored: float = 0.2,
+               gpu_only: bool = False, min_chunk: int | None = None, **kwargs: Any) -> Case:
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        tensors = {"hidden": _randn(g, t, h), "weight": _randn(g, v, h, scale=h**-0.5)}
+        if bias:
+            tensors["bias"] = _randn(g, v, scale=0.5)
+        return tensors, {"target": _targets(g, t, v, ignored), **kwargs}
+
+    grads = ("hidden", "weight", "bias") if bias else ("hidden", "weight")
+    return Case("fused_linear_cross_entropy", name, make, grads, unit_upstream=unit, gpu_only=gpu_only,
+                min_chunk=min_chunk)
+
+
+_ELEMENTWISE = [(n, s) for n, s in SHAPES if n != "large_n"] + [("long_rows", (2, 100003))]
+_NORM_SHAPES = SHAPES
+
+CASES_LLM: list[Case] = [
+    *_gated("swiglu", _ELEMENTWISE),
+    *_gated("geglu", _ELEMENTWISE, approximate="tanh"),
+    *_gated("geglu", [("odd", (7, 37)), ("3d", (2, 3, 100))], approximate="none"),
+    Case("swiglu", "large_gate", lambda g: ({"gate": torch.linspace(-120, 120, 64, dtype=torch.float64).reshape(2, 32),
+                                             "up": _randn(g, 2, 32)}, {}), ("gate", "up")),
+    Case("geglu", "large_gate", lambda g: ({"gate": torch.linspace(-60, 60, 64, dtype=torch.float64).reshape(2, 32),
+                                            "up": _randn(g, 2, 32)}, {"approximate": "tanh"}), ("gate", "up")),
+    _rope_case("one_token", 1, 1, 1, 1, 64),
+    _rope_case("gqa", 2, 4, 2, 7, 64),
+    _rope_case("d128_odd_s", 1, 3, 1, 37, 128),
+    _rope_case("batch_tables", 2, 2, 1, 5, 64, batch_tables=True),
+    _rope_case("transposed", 2, 4, 2, 9, 128, transposed=True),
+    _rope_case("d2", 1, 2, 2, 3, 2),
+    _rope_case("llama_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
+    _rope_case("llama_70b_odd", 1, 64, 8, 1000, 128, gpu_only=True),
+    *[
+        Case("add_rms_norm", f"{name}{'-weight' if w else ''}",
+             lambda g, s=shape, w=w: ({"x": _randn(g, *s), "residual": _randn(g, *s, scale=2.0),
+                                       **({"weight": _randn(g, s[-1], scale=0.5, shift=1.0)} if w else {})},
+                                      {"eps": 1e-6}),
+             ("x", "residual", "weight") if w else ("x", "residual"))
+        for name, shape in _NORM_SHAPES for w in (True, False) if w or name in ("odd", "3d", "large_n")
+    ],
+    _ce_case("one_token", 1, 7),
+    _ce_case("odd_v", 37, 1000),
+    _ce_case("sum", 5, 300, reduction="sum"),
+    _ce_case("none", 5, 300, reduction="none"),
+    _ce_case("unit_upstream", 9, 500, unit=True),
+    _ce_case("smoothing", 7, 301, label_smoothing=0.1),
+    _ce_case("smoothing_none", 7, 301, reduction="none", label_smoothing=0.2),
+    _ce_case("all_ignored", 4, 50, ignored=1.0),
+    _ce_case("all_ignored_sum", 4, 50, ignored=1.0, reduction="sum"),
+    _ce_case("ignore_other", 6, 40, ignore_index=3),
+    _ce_case("large_v", 2, 262144),
+    _ce_case("vocab", 64, 128256, gpu_only=True),
+    _ce_case("vocab_unit", 64, 128256, unit=True, gpu_only=True),
+    _ce_case("vocab_262k", 16, 262144, gpu_only=True),
+    _flce_case("one_token", 1, 16, 50),
+    _flce_case("odd", 37, 48, 301),
+    _flce_case("no_bias_sum", 9, 32, 200, bias=False, reduction="sum"),
+    _flce_case("none", 9, 32, 200, reduction="none"),
+    _flce_case("unit_upstream", 9, 32, 200, unit=True),
+    _flce_case("smoothing", 9, 32, 200, label_smoothing=0.1),
+    _flce_case("all_ignored", 4, 16, 50, ignored=1.0),
+    _flce_case("chunks", 150, 16, 64, unit=True, min_chunk=64),  # 3 chunks, the last partial
+    _flce_case("chunks_none", 150, 16, 64, reduction="none", min_chunk=64),
+    _flce_case("llama_like", 2048, 512, 32000, bias=False, gpu_only=True),
+    _flce_case("llama_chunks", 3000, 256, 32000, gpu_only=True),
+]
+if not ON_GPU:
+    CASES_LLM = [c for c in CASES_LLM if not c.gpu_only]
+
+
+def cast_case(tensors: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """The float64 inputs in the dtype under test, keeping strided layouts (column slices, transposes) as they are."""
+    out = {}
+    for name, t in tensors.items():
+        if name in ("cos", "sin"):
+            out[name] = t.to(device=device, dtype=torch.float32)  # rotary tables are usually kept in float32
+            continue
+        base = t
+        while base._base is not None:
+            base = base._base
+        if base is not t:  # a view: cast the base, take the same view
+            b = base.to(device=device, dtype=dtype)
+            out[name] = b.as_strided(t.shape, t.stride(), t.storage_offset())
+        else:
+            out[name] = t.to(device=device, dtype=dtype)
+    return out

@@ -18,7 +18,10 @@ def _x(device: torch.device, n: int = 16) -> torch.Tensor:
 
 
 def test_ops_lists_every_op():
-    assert hkernels.ops() == ["layer_norm", "rms_norm", "softmax"]
+    assert hkernels.ops() == [
+        "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "rms_norm", "rope",
+        "softmax", "swiglu",
+    ]
 
 
 def test_backends_here_lists_all_three(device):

@@ -1,0 +1,77 @@
+"""The shared suite for the LLM op set: every case × backend × dtype, forward and every gradient, vs float64."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import hkernels
+from hkernels import _chunked, reference
+from tests.specs import BACKENDS, CASES_LLM, DTYPES, cast_case, max_error
+
+Tensor = torch.Tensor
+
+
+def _leaves(tensors: dict[str, Tensor], grads: tuple[str, ...]) -> dict[str, Tensor]:
+    """Fresh inputs; those in ``grads`` require grad, views staying views of a leaf (so strides are kept)."""
+    out = {}
+    for name, t in tensors.items():
+        if name not in grads:
+            out[name] = t.detach().clone()
+            continue
+        base = t._base if t._base is not None else t
+        leaf = base.detach().clone().requires_grad_()
+        out[name] = leaf.as_strided(t.shape, t.stride(), t.storage_offset()) if base is not t else leaf
+    return out
+
+
+def _outputs(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES_LLM, ids=lambda c: c.id)
+def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch):
+    if case.min_chunk is not None:
+        monkeypatch.setattr(_chunked, "MIN_CHUNK", case.min_chunk)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}{dtype}".encode()))
+    tensors64, kwargs = case.make(g)
+    kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    inputs = cast_case(tensors64, dtype, device)
+    fn = getattr(hkernels, case.op)
+
+    ins = _leaves(inputs, case.grads)
+    with hkernels.use_backend(backend):
+        assert hkernels.selected_backend(case.op, **ins, **kwargs) == backend
+        outs = _outputs(fn(**ins, **kwargs))
+    ups = []
+    for o in outs:
+        if o.dim() == 0 and case.unit_upstream:
+            ups.append(torch.ones_like(o))
+        else:
+            ups.append(torch.randn(o.shape, generator=g, dtype=torch.float64).to(device=device, dtype=o.dtype))
+    grads = torch.autograd.grad(outs, [ins[n] for n in case.grads], ups)  # outside the scope: follows the forward
+
+    ins64 = {k: v.detach().double().requires_grad_(k in case.grads) for k, v in inputs.items()}
+    refs = _outputs(getattr(reference, case.op)(**ins64, **kwargs))
+    ref_grads = torch.autograd.grad(refs, [ins64[n] for n in case.grads], [u.double() for u in ups])
+
+    base_ins = _leaves(inputs, case.grads)
+    bases = _outputs(getattr(reference, case.op)(**base_ins, **kwargs))
+    base_grads = torch.autograd.grad(bases, [base_ins[n] for n in case.grads], ups)
+
+    problems = []
+    for i, (o, r, b) in enumerate(zip(outs, refs, bases, strict=True)):
+        assert o.dtype == b.dtype and o.shape == b.shape, f"output {i}: {o.dtype} {list(o.shape)}"
+        problems.append(max_error(f"out{i}", o.detach(), r.detach(), b.detach(), dtype))
+    terms = max(u.abs().max().item() for u in ups if u.numel()) * max(
+        1.0, *(torch.nan_to_num(t.double().abs(), nan=0.0).max().item() for t in inputs.values() if t.numel())
+    )
+    for name, got, want, base in zip(case.grads, grads, ref_grads, base_grads, strict=True):
+        assert got.dtype == inputs[name].dtype and got.shape == inputs[name].shape, name
+        problems.append(max_error(f"d{name}", got, want, base, dtype, terms))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
