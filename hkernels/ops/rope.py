@@ -1,0 +1,151 @@
+"""Rotary position embedding (Hugging Face's rotate_half convention) in Helion (the twin of
+``triton_fallback/rope.py``).
+
+Math, per head row x of D elements, x1 = x[:D/2], x2 = x[D/2:], and the same halves c1, c2 of cos and s1, s2 of sin
+at the row's (batch, position):
+    forward   y1 = x1·c1 − x2·s1,   y2 = x2·c2 + x1·s2      (= x·cos + rotate_half(x)·sin)
+    backward  dx1 = dy1·c1 + dy2·s2,  dx2 = dy2·c2 − dy1·s1  (the transposed map)
+The backward is the forward with (s1, s2) replaced by (−s2, −s1): one kernel serves both, a constexpr picks.
+
+Shapes: q [B, Hq, S, D], k [B, Hk, S, D] (any strides with unit stride along D, e.g. transposed views of
+[B, S, H, D] projections), cos and sin [Bc, S, D] contiguous with Bc = 1 (shared by the batch) or B.
+Bytes for T = B·S tokens of b-byte elements: reads and writes T·(Hq + Hk)·D·b each, plus the tables from memory
+once (2·T·D·bc bytes when Bc = B; one [S, D] pair when shared by the batch). A program is a block of tokens × a
+block of heads of q or of k, each tensor with its own block shape (k has fewer heads: 8 in Llama-3), so that
+both load 16-byte vectors. Each program reads its tokens' cos/sin; the other programs of those tokens re-read them
+from L2 (Llama-3 8B, float32 tables: 2 KB of table reads per token beside 20 KB of q and k traffic).
+
+The kernel sees every tensor as [B, H, S, 2, D/2] views (the two halves as an index), the tables expanded to
+[B, S, 2, D/2] (stride 0 along B when shared) and outputs allocated by the host: so the host may swap the roles
+of B and S (a view of all of them), and blocks of positions fill up also when S = 1 and B is large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels.ops import _helion
+
+Tensor = torch.Tensor
+_INT32_LIMIT = 2**31 - 1
+
+
+@helion.kernel(static_shapes=False)
+def _rope(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, backward: hl.constexpr
+) -> None:
+    # q, q_out: [B, Hq, S, 2, D/2]; k, k_out: [B, Hk, S, 2, D/2]; cos, sin: [B, S, 2, D/2].
+    # Two loops, one launch (Helion gives each loop its own programs): a program rotates a block of positions ×
+    # a block of heads of q, or of k, reading the positions' cos and sin and its rows once, writing its rows once.
+    # Each tensor gets its own block shape (k has fewer heads: Hk = 8 in Llama-3), and no program loops, so all
+    # its loads are in flight together. The tables are re-read by each head block of a position: from L2.
+    b, hq, s, _, half = q.size()
+    hk = k.size(1)
+    half = hl.specialize(half)
+    for tile_b, tile_s, tile_h in hl.tile([b, s, hq], block_size=[1, None, None]):
+        c1 = cos[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+        c2 = cos[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+        if backward:  # the transposed map: (s1, s2) -> (-s2, -s1)
+            s1 = -sin[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+            s2 = -sin[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+        else:
+            s1 = sin[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+            s2 = sin[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+        x1 = q[tile_b, tile_h, tile_s, 0, :].to(torch.float32)
+        x2 = q[tile_b, tile_h, tile_s, 1, :].to(torch.float32)
+        q_out[tile_b, tile_h, tile_s, 0, :] = (x1 * c1 - x2 * s1).to(q_out.dtype)
+        q_out[tile_b, tile_h, tile_s, 1, :] = (x2 * c2 + x1 * s2).to(q_out.dtype)
+    for tile_b, tile_s, tile_h in hl.tile([b, s, hk], block_size=[1, None, None]):
+        c1 = cos[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+        c2 = cos[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+        if backward:  # the transposed map: (s1, s2) -> (-s2, -s1)
+            s1 = -sin[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+            s2 = -sin[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+        else:
+            s1 = sin[tile_b, tile_s, 0, :].to(torch.float32)[:, None, :, :]
+            s2 = sin[tile_b, tile_s, 1, :].to(torch.float32)[:, None, :, :]
+        x1 = k[tile_b, tile_h, tile_s, 0, :].to(torch.float32)
+        x2 = k[tile_b, tile_h, tile_s, 1, :].to(torch.float32)
+        k_out[tile_b, tile_h, tile_s, 0, :] = (x1 * c1 - x2 * s1).to(k_out.dtype)
+        k_out[tile_b, tile_h, tile_s, 1, :] = (x2 * c2 + x1 * s2).to(k_out.dtype)
+
+
+def _max_offset(x: Tensor) -> int:
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 0)
+
+
+def _stride_kind(st: int) -> int:
+    return st if st in (0, 1) else 2
+
+
+# Compiled kernels by a key at least as fine as Helion's own specialisation (dtypes, sizes bucketed 0/1/many,
+# element counts past int32, D, strides that are 0 or 1, the direction, the config): a call whose key was seen
+# skips Helion's bind(), whose guard checks over six 5-D tensors cost a few hundred µs per call.
+_COMPILED: dict[tuple[object, ...], Callable[..., None]] = {}
+
+
+def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    config = _helion.config_for("_rope", n, device, tensors[0].dtype)
+    key = (args[-1], device, config, *(
+        (t.dtype, tuple(min(d, 2) for d in t.shape), t.numel() > _INT32_LIMIT, t.shape[-1],
+         tuple(_stride_kind(st) for st in t.stride()))
+        for t in tensors
+    ))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        # Helion 1.5.0 takes a dim of size 1 for a broadcast and drops its mask and stride from the stores: every
+        # lane of a larger block over it would write the one row (seen: wrong results with one position, and with
+        # one head of k as in multi-query attention). So a block over a dim of size 1 is made 1.
+        q5, k5 = tensors[0], tensors[1]
+        sizes = [q5.shape[2], q5.shape[1], k5.shape[2], k5.shape[1]]
+        blocks = [1 if size == 1 else block for size, block in zip(sizes, config.block_sizes, strict=True)]
+        config = helion.Config(**{**config.config, "block_sizes": blocks})
+        bound = _rope.bind(args)
+        fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
+        _COMPILED[key] = fn
+    fn(*args)
+
+
+def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+    B, Hq, S, D = x_q.shape
+    Hk = x_k.shape[1]
+    assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
+    assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
+    qo = torch.empty((B, Hq, S, D), dtype=x_q.dtype, device=x_q.device)
+    ko = torch.empty((B, Hk, S, D), dtype=x_k.dtype, device=x_k.device)
+    T = B * S
+    if T == 0:
+        return qo, ko
+    # Helion picks 32-bit offsets from element counts; a view into a larger buffer (q sliced out of a fused qkv
+    # projection) can reach past 2^31 with fewer elements: such an input is copied first.
+    if _max_offset(x_q) > _INT32_LIMIT and x_q.numel() <= _INT32_LIMIT:
+        x_q = x_q.contiguous()
+    if _max_offset(x_k) > _INT32_LIMIT and x_k.numel() <= _INT32_LIMIT:
+        x_k = x_k.contiguous()
+    half = D // 2
+    q5, k5, qo5, ko5 = (t.unflatten(-1, (2, half)) for t in (x_q, x_k, qo, ko))
+    c4, s4 = (t.contiguous().unflatten(-1, (2, half)).expand(B, S, 2, half) for t in (cos, sin))
+    if S < B:
+        # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two
+        # swap roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout).
+        q5, k5, qo5, ko5 = (t.transpose(0, 2) for t in (q5, k5, qo5, ko5))
+        c4, s4 = (t.transpose(0, 1) for t in (c4, s4))
+    _launch((q5, k5, c4, s4, qo5, ko5, backward), T, x_q.device)
+    return qo, ko
+
+
+def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [B, Hq, S, D], k: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (q_rot, k_rot),
+    contiguous, in q's and k's dtype."""
+    return _rope_run(q, k, cos, sin, backward=False)
+
+
+def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """dq_rot: [B, Hq, S, D], dk_rot: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (dq, dk),
+    contiguous, in dq_rot's and dk_rot's dtype."""
+    return _rope_run(dq_rot, dk_rot, cos, sin, backward=True)

@@ -1,0 +1,162 @@
+"""Rotary position embedding (Hugging Face's rotate_half convention) in hand-written Triton (the twin of
+``hkernels/ops/rope.py``).
+
+Math, per head row x of D elements, x1 = x[:D/2], x2 = x[D/2:], and the same halves c1, c2 of cos and s1, s2 of sin
+at the row's (batch, position):
+    forward   y1 = x1·c1 − x2·s1,   y2 = x2·c2 + x1·s2      (= x·cos + rotate_half(x)·sin)
+    backward  dx1 = dy1·c1 + dy2·s2,  dx2 = dy2·c2 − dy1·s1  (the transposed map)
+The backward is the forward with (s1, s2) replaced by (−s2, −s1): one kernel serves both, a constexpr picks.
+
+Shapes: q [B, Hq, S, D], k [B, Hk, S, D] (any strides with unit stride along D, e.g. transposed views of
+[B, S, H, D] projections), cos and sin [Bc, S, D] contiguous with Bc = 1 (shared by the batch) or B.
+Bytes for T = B·S tokens of b-byte elements: reads and writes T·(Hq + Hk)·D·b each, plus the tables from memory
+once (2·T·D·bc bytes when Bc = B; one [S, D] pair when shared by the batch). A program is a block of tokens × a
+block of heads of q or of k, each tensor with its own block shape (k has fewer heads: 8 in Llama-3), so that
+both load 16-byte vectors. Each program reads its tokens' cos/sin; the other programs of those tokens re-read them
+from L2 (Llama-3 8B, float32 tables: 2 KB of table reads per token beside 20 KB of q and k traffic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import interpreting, num_sms
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _rope_tile(
+    x_ptr, y_ptr, cos_ptr, sin_ptr,  # x [B, H, S, D] (unit stride along D); y its contiguous output; cos, sin
+    pid, T, S, H, stride_xb, stride_xh, stride_xs, stride_cb,
+    HALF: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Tile pid = (token block, head block), head blocks fastest (neighbours share the tokens' cos/sin in cache):
+    # reads BLOCK_S tokens' cos and sin and the tile's rows of x once, writes the rows of y once. No loop: every
+    # load is issued before the first store (a store between them would keep later loads from moving up, since
+    # x might alias y), so a program has all its bytes in flight. Tokens are flattened over (b, s), so S = 1
+    # with many batches still fills a block.
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    tok = (pid // head_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok_ok = tok < T
+    tok64 = tok.to(tl.int64)
+    b = tok64 // S
+    s = tok64 - b * S
+    cols = tl.arange(0, BLOCK_HALF)
+    # With BLOCK_HALF == HALF the column mask is all true and constant along D: loads stay vectorised.
+    col_ok = cols < (BLOCK_HALF if BLOCK_HALF == HALF else HALF)
+    tab_mask = tok_ok[:, None] & col_ok[None, :]
+    tab = (b * stride_cb + s * (2 * HALF))[:, None] + cols[None, :]
+    mask = (heads < H)[:, None, None] & tab_mask[None, :, :]
+    heads64 = heads.to(tl.int64)
+    x_off = (heads64 * stride_xh)[:, None, None] + (b * stride_xb + s * stride_xs)[None, :, None] + cols
+    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + tab, mask=tab_mask, other=0.0).to(tl.float32)[None, :, :]
+    c2 = tl.load(cos_ptr + tab + HALF, mask=tab_mask, other=0.0).to(tl.float32)[None, :, :]
+    s_lo = tl.load(sin_ptr + tab, mask=tab_mask, other=0.0).to(tl.float32)[None, :, :]
+    s_hi = tl.load(sin_ptr + tab + HALF, mask=tab_mask, other=0.0).to(tl.float32)[None, :, :]
+    if BACKWARD:  # the transposed map: (s1, s2) -> (-s2, -s1)
+        s1 = -s_hi
+        s2 = -s_lo
+    else:
+        s1 = s_lo
+        s2 = s_hi
+    # Contiguous output: row (b, h, s) starts at ((b·H + h)·S + s)·D.
+    y_off = ((b * H * S + s) * (2 * HALF))[None, :, None] + (heads64 * S * (2 * HALF))[:, None, None] + cols
+    ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + y_off, (x1 * c1 - x2 * s1).to(ty), mask=mask)
+    tl.store(y_ptr + y_off + HALF, (x2 * c2 + x1 * s2).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr,  # q [B, Hq, S, D], k [B, Hk, S, D] (unit stride along D); cos, sin [Bc, S, D]
+    qo_ptr, ko_ptr,  # outputs, contiguous [B, Hq, S, D] and [B, Hk, S, D]
+    T, S, Hq, Hk,  # T = B·S tokens
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_cb,  # 0 when the tables are shared by the batch (Bc = 1), else S·D
+    HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_SQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_SK: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    # One launch for both tensors: the first programs take tiles of q, the rest tiles of k, each with its own
+    # block shape (k has fewer heads: Hk = 8 in Llama-3), so that both load full 16-byte vectors.
+    pid = tl.program_id(0)
+    q_tiles = tl.cdiv(T, BLOCK_SQ) * tl.cdiv(Hq, BLOCK_HQ)
+    if pid < q_tiles:
+        _rope_tile(q_ptr, qo_ptr, cos_ptr, sin_ptr, pid, T, S, Hq, stride_qb, stride_qh, stride_qs, stride_cb,
+                   HALF, BACKWARD, BLOCK_SQ, BLOCK_HQ, BLOCK_HALF)
+    else:
+        _rope_tile(k_ptr, ko_ptr, cos_ptr, sin_ptr, pid - q_tiles, T, S, Hk, stride_kb, stride_kh, stride_ks,
+                   stride_cb, HALF, BACKWARD, BLOCK_SK, BLOCK_HK, BLOCK_HALF)
+
+
+# Elements of x per program (both halves) and warps: 8 KB of 16-bit data, 8 elements (16 bytes) per thread per load.
+TILE_ELEMENTS = 4096
+TILE_WARPS = 4
+
+
+def _tile_shape(T: int, H: int, D: int, programs_wanted: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_H) of about TILE_ELEMENTS elements for one tensor: all heads of a token block when they fit,
+    fewer tokens and then fewer heads when the tensor would otherwise give fewer than ``programs_wanted`` tiles."""
+    row = 2 * triton.next_power_of_2(D // 2)
+    block_h = min(triton.next_power_of_2(H), max(1, TILE_ELEMENTS // row))
+    block_s = min(triton.next_power_of_2(T), max(1, TILE_ELEMENTS // (row * block_h)))
+    while block_s > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
+        block_s //= 2
+    while block_h > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
+        block_h //= 2
+    return block_s, block_h
+
+
+def _launch_settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_SQ, BLOCK_HQ, BLOCK_SK, BLOCK_HK, num_warps) for T tokens."""
+    if interpreting():
+        # The interpreter runs programs one after another: few, large ones run fastest.
+        row = 2 * triton.next_power_of_2(D // 2)
+        hq, hk = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk)
+        s = min(triton.next_power_of_2(T), max(1, 65536 // (row * hq)))
+        return s, hq, s, hk, 4
+    # Few tokens (decoding, short prompts): smaller tiles, so the GPU gets a few programs per multiprocessor.
+    wanted = 4 * num_sms(device)
+    return (*_tile_shape(T, Hq, D, wanted * Hq // (Hq + Hk)), *_tile_shape(T, Hk, D, wanted * Hk // (Hq + Hk)),
+            TILE_WARPS)
+
+
+def _rope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+    B, Hq, S, D = x_q.shape
+    Hk = x_k.shape[1]
+    assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
+    assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty((B, Hq, S, D), dtype=x_q.dtype, device=x_q.device)
+    ko = torch.empty((B, Hk, S, D), dtype=x_k.dtype, device=x_k.device)
+    T = B * S
+    if T == 0:
+        return qo, ko
+    bsq, bhq, bsk, bhk, warps = _launch_settings(T, Hq, Hk, D, x_q.device)
+    tiles = triton.cdiv(T, bsq) * triton.cdiv(Hq, bhq) + triton.cdiv(T, bsk) * triton.cdiv(Hk, bhk)
+    _rope_kernel[(tiles,)](
+        x_q, x_k, cos, sin, qo, ko, T, S, Hq, Hk,
+        x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
+        0 if cos.shape[0] == 1 else S * D,
+        HALF=D // 2, BACKWARD=backward, BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_SQ=bsq, BLOCK_HQ=bhq, BLOCK_SK=bsk, BLOCK_HK=bhk, num_warps=warps,
+    )
+    return qo, ko
+
+
+def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [B, Hq, S, D], k: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (q_rot, k_rot),
+    contiguous, in q's and k's dtype."""
+    return _rope(q, k, cos, sin, backward=False)
+
+
+def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """dq_rot: [B, Hq, S, D], dk_rot: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (dq, dk),
+    contiguous, in dq_rot's and dk_rot's dtype."""
+    return _rope(dq_rot, dk_rot, cos, sin, backward=True)
