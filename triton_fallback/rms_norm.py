@@ -5,6 +5,10 @@ Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x
 
 Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
 and x (2·M·N·b), writes dx (M·N·b) and a [programs, N] float32 partial of dw that a last small sum reduces.
+
+The kernels also serve ``add_rms_norm`` (residual add + RMS norm): the forward takes an optional residual (the
+row normalised is then s = x + residual, rounded to x's dtype and written out) and the backward an optional ds
+(added to dx before the one rounding). When they are None the code is rms_norm's alone.
 """
 
 from __future__ import annotations
@@ -27,15 +31,22 @@ Tensor = torch.Tensor
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr,  # x, y: [M, N] rows with unit column stride; w: [N]; rstd: [M] float32
     M, N, stride_x, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    r_ptr, s_ptr, stride_r, stride_s,  # add_rms_norm only: the residual r and s = x + r, [M, N]
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Resident rows: each program reads BLOCK_M rows of x once and writes BLOCK_M rows of y.
+    # Resident rows: each program reads BLOCK_M rows of x once and writes BLOCK_M rows of y. With a residual r
+    # (add_rms_norm) it also reads r, and the row normalised is s = x + r rounded to x's dtype, written to s.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + rows64[:, None] * stride_s + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -48,18 +59,29 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_fwd_looped_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr,
     N, stride_x, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    r_ptr, s_ptr, stride_r, stride_s,  # add_rms_norm only
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Long rows, one per program: pass 1 reads the row for Σx², pass 2 reads it again and writes y.
+    # Long rows, one per program: pass 1 reads the row for Σx², pass 2 reads it again and writes y. With a
+    # residual, pass 1 reads x and r and writes s = x + r; pass 2 reads s back (one tensor instead of two).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=cols < N, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * stride_s + cols, x, mask=cols < N)
+        x = x.to(tl.float32)
         acc += x * x
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    if HAS_RESIDUAL:
+        # Pass 2 reads what other threads of this program wrote in pass 1: the barrier makes it visible.
+        tl.debug_barrier()
+        x_row = s_ptr + row * stride_s
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -74,10 +96,13 @@ def _rms_norm_fwd_looped_kernel(
 def _rms_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,  # dw_part: [programs, N] float32
     M, N, rows_per_program, stride_dy, stride_x, stride_dx,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ds_ptr, stride_ds,  # add_rms_norm only: ds [M, N], a gradient added to dx
+    HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # Resident rows, persistent: each program walks its own run of rows, reads dy and x once, writes dx, and
-    # keeps its share of dw in registers until the end (one [N] float32 row written per program).
+    # keeps its share of dw in registers until the end (one [N] float32 row written per program). With ds
+    # (add_rms_norm: the gradient that reaches x directly) it also reads ds and adds it to dx before rounding.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -99,6 +124,8 @@ def _rms_norm_bwd_kernel(
             wdy = dy * w[None, :]
         c = tl.sum(wdy * x, axis=1) / N
         dx = (wdy - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(ds_ptr + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw_acc += tl.sum(dy * x * rstd[:, None], axis=0)
@@ -130,10 +157,11 @@ def _rms_norm_bwd_dot_kernel(
 def _rms_norm_bwd_looped_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, c_ptr, dx_ptr, dw_part_ptr,  # dw_part: [row groups, N] float32
     M, N, rows_per_program, stride_dy, stride_x, stride_dx,
-    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    ds_ptr, stride_ds,  # add_rms_norm only
+    HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Long rows, step 2 of 2: program (column block, row group) reads dy and x again, writes dx, and sums its
-    # rows' share of dw for its columns.
+    # Long rows, step 2 of 2: program (column block, row group) reads dy and x again (and ds, once), writes dx,
+    # and sums its rows' share of dw for its columns.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     group = tl.program_id(1)
     col_ok = cols < N
@@ -152,6 +180,8 @@ def _rms_norm_bwd_looped_kernel(
         if HAS_WEIGHT:
             wdy = dy * w
         dx = (wdy - x * (rstd * rstd * c)) * rstd
+        if HAS_DS:
+            dx += tl.load(ds_ptr + row64 * stride_ds + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok)
         if HAS_WEIGHT:
             dw_acc += dy * x * rstd
@@ -161,29 +191,49 @@ def _rms_norm_bwd_looped_kernel(
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    w = weight if weight is not None else x
-    s = row_settings(N, M)
-    if s.resident:
-        _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
-            x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps,
-            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    else:
-        _rms_norm_fwd_looped_kernel[(M,)](
-            x, w, y, rstd, N, x.stride(0), y.stride(0), eps,
-            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    return y, rstd
+    return launch_fwd(x, None, None, weight, eps)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
+    return launch_bwd(dy, None, x, weight, rstd)
+
+
+def launch_fwd(
+    x: Tensor, residual: Tensor | None, summed: Tensor | None, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """The forward's launches, shared with add_rms_norm: with a ``residual`` [M, N], the row normalised is
+    x + residual rounded to x's dtype, written to ``summed`` [M, N]. -> (y [M, N] in x.dtype, rstd [M] float32)."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    w = weight if weight is not None else x
+    r, out = (residual, summed) if residual is not None else (x, x)  # unused stand-ins when there is no residual
+    s = row_settings(N, M)
+    if s.resident:
+        _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+            x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    else:
+        _rms_norm_fwd_looped_kernel[(M,)](
+            x, w, y, rstd, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            BLOCK_N=s.block_n, num_warps=s.num_warps,
+        )
+    return y, rstd
+
+
+def launch_bwd(
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """The backward's launches, shared with add_rms_norm: ``ds`` [M, N] or None is added to dx in float32
+    before the one rounding. Returns (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
     M, N = x.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     w = weight if weight is not None else x
+    g = ds if ds is not None else dy  # an unused stand-in when there is no ds
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
         programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=s.programs_per_sm)
@@ -191,6 +241,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         _rms_norm_bwd_kernel[(programs,)](
             dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
+            g, g.stride(0), HAS_DS=ds is not None,
             HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
             num_warps=s.num_warps, num_stages=s.num_stages,
         )
@@ -207,6 +258,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
         dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
         _rms_norm_bwd_looped_kernel[(col_blocks, groups)](
             dy, x, w, rstd, c, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
+            g, g.stride(0), HAS_DS=ds is not None,
             HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None

@@ -7,9 +7,15 @@ Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+
 and x, writes dx, plus a [programs, N] float32 partial of dw. Row counts are dynamic (one compile serves every
 token count); N is specialised. Block sizes come from ``hkernels/configs`` (see ``_helion.py``); rows longer
 than ``MAX_RESIDENT_BWD`` take a two-step backward, as in the Triton twin.
+
+The kernels also serve ``add_rms_norm`` (residual add + RMS norm): the forward takes an optional residual (the
+row normalised is then s = x + residual, rounded to x's dtype and written out) and the backward an optional ds
+(added to dx before the one rounding). When they are None the code is rms_norm's alone.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import helion
 import helion.language as hl
@@ -22,15 +28,23 @@ MAX_RESIDENT_BWD = 8192
 
 
 @helion.kernel(static_shapes=False)
-def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_fwd(
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, s: Tensor | None
+) -> tuple[Tensor, Tensor]:
     # x: [M, N] -> y [M, N], rstd [M]. A config with reduction_loops=[None] keeps the row in registers (one read
-    # of x); reduction_loops=[chunk] loops over it twice, for rows too long for registers.
+    # of x); reduction_loops=[chunk] loops over it twice, for rows too long for registers. With a residual
+    # (add_rms_norm) it also reads residual [M, N], and the row normalised is x + residual rounded to x's dtype,
+    # written to s [M, N].
     m, n = x.size()
     n = hl.specialize(n)
     y = torch.empty([m, n], dtype=x.dtype, device=x.device)
     rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
         xf = x[tile_m, :].to(torch.float32)
+        if residual is not None:
+            total = (xf + residual[tile_m, :].to(torch.float32)).to(x.dtype)
+            s[tile_m, :] = total
+            xf = total.to(torch.float32)
         r = torch.rsqrt(torch.sum(xf * xf, dim=-1) / n + eps)
         out = xf * r[:, None]
         if weight is not None:
@@ -42,10 +56,11 @@ def _rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor,
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int
 ) -> tuple[Tensor, Tensor]:
     # Resident rows, persistent: program g walks rows [g·R, (g+1)·R), reads dy and x once, writes dx, and keeps
-    # its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32.
+    # its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32. With ds
+    # (add_rms_norm: the gradient that reaches x directly) it also reads ds and adds it to dx before rounding.
     m, n = x.size()
     n = hl.specialize(n)
     programs = (m + rows_per_program - 1) // rows_per_program
@@ -62,7 +77,10 @@ def _rms_norm_bwd(
             if weight is not None:
                 wdy = dyf * weight[None, :].to(torch.float32)
             c = torch.sum(wdy * xf, dim=-1) / n
-            dx[tile_m, :] = ((wdy - xf * (r * r * c)[:, None]) * r[:, None]).to(dx.dtype)
+            dxf = (wdy - xf * (r * r * c)[:, None]) * r[:, None]
+            if ds is not None:
+                dxf = dxf + ds[tile_m, :].to(torch.float32)
+            dx[tile_m, :] = dxf.to(dx.dtype)
             dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
         dw_part[g, :] = dw_acc
     return dx, dw_part
@@ -84,10 +102,10 @@ def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd_looped(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int
 ) -> tuple[Tensor, Tensor]:
-    # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again, writes dx, and sums its
-    # rows' share of dw for its columns.
+    # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again (and ds, once), writes dx,
+    # and sums its rows' share of dw for its columns.
     m, n = x.size()
     n = hl.specialize(n)
     groups = (m + rows_per_program - 1) // rows_per_program
@@ -103,7 +121,10 @@ def _rms_norm_bwd_looped(
             wdy = dyf
             if weight is not None:
                 wdy = dyf * weight[None, tile_n].to(torch.float32)
-            dx[tile_m, tile_n] = ((wdy - xf * (r * r * c[tile_m])[:, None]) * r[:, None]).to(dx.dtype)
+            dxf = (wdy - xf * (r * r * c[tile_m])[:, None]) * r[:, None]
+            if ds is not None:
+                dxf = dxf + ds[tile_m, tile_n].to(torch.float32)
+            dx[tile_m, tile_n] = dxf.to(dx.dtype)
             dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
         dw_part[tile_g.begin, tile_n] = dw_acc
     return dx, dw_part
@@ -111,22 +132,32 @@ def _rms_norm_bwd_looped(
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
-    return _helion.run(_rms_norm_fwd, (x, weight, eps), x.shape[1], x.device)
+    return _helion.run(_rms_norm_fwd, (x, None, weight, eps, None), x.shape[1], x.device)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
+    return run_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd)
+
+
+def run_bwd(
+    resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """The backward's host side, shared with add_rms_norm. ``resident``, ``looped``: the two kernels as
+    ``_helion.run`` takes them (add_rms_norm passes them under its own names, for its own configs); ``ds``
+    [M, N] or None is added to dx before the one rounding. -> (dx [M, N] in x.dtype, dw [N] or None)."""
     M, N = x.shape
     if M == 1:
         dy, x, rstd = _helion.pad_single_row(dy, x, rstd)
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+        ds = _helion.pad_single_row(ds)[0] if ds is not None else None
+        dx, dw = run_bwd(resident, looped, dy, ds, x, weight, rstd)
         return dx[:1], dw
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_rms_norm_bwd", N, x.device, x.dtype))
-        dx, dw_part = _helion.run(_rms_norm_bwd, (dy, x, weight, rstd, rows), N, x.device)
+        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm(resident.name, N, x.device, x.dtype))
+        dx, dw_part = _helion.run(resident, (dy, ds, x, weight, rstd, rows), N, x.device)
     else:
         c = _helion.run(_rms_norm_bwd_dot, (dy, x, weight), N, x.device)
-        block_n = _helion.config_for("_rms_norm_bwd_looped", N, x.device, x.dtype).block_sizes[0]
+        block_n = _helion.config_for(looped.name, N, x.device, x.dtype).block_sizes[0]
         rows = _helion.rows_per_group(M, N, block_n, x.device)
-        dx, dw_part = _helion.run(_rms_norm_bwd_looped, (dy, x, weight, rstd, c, rows), N, x.device)
+        dx, dw_part = _helion.run(looped, (dy, ds, x, weight, rstd, c, rows), N, x.device)
     return dx, (dw_part.sum(0).to(weight.dtype) if weight is not None else None)

@@ -1,0 +1,68 @@
+"""Residual add + RMS norm in Helion (the twin of ``triton_fallback/add_rms_norm.py``).
+
+Math, per row of N elements:  s = x + residual (rounded to x's dtype, as the unfused ``s = x + residual;
+rms_norm(s)`` of a Llama layer),  rstd = 1 / sqrt(mean(s²) + eps) from the rounded s,  y = s · rstd · w.
+Backward, with dy the gradient of y and ds that of s (the residual stream's, or None):
+dsum = rstd·(w·dy) − s·rstd³·mean(w·dy·s) + ds  (the gradient of both x and residual),  dw = Σ_rows dy·s·rstd.
+
+The kernels are rms_norm's (``hkernels/ops/rms_norm.py``) with their optional residual and ds in use, compiled
+under this op's own names so that they carry their own shipped configs (they move more bytes per row than
+rms_norm's: three [M, N] tensors live in a backward step instead of two). Bytes for [M, N] of b-byte elements:
+forward reads x and residual and writes y and s (4·M·N·b, + 4M for rstd); backward reads dy, ds and s and
+writes dsum (4·M·N·b), plus a [programs, N] float32 partial of dw. Long rows loop as rms_norm's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helion
+import torch
+from helion.runtime.kernel import BoundKernel
+
+from hkernels.ops import _helion, rms_norm
+
+Tensor = torch.Tensor
+
+
+class _Renamed:
+    """One of rms_norm's kernels under this op's name. ``_helion.run`` binds ``kernel`` as usual but looks its
+    config up by ``name``, so this op ships its own configs for the same kernel code."""
+
+    def __init__(self, kernel: helion.Kernel, name: str) -> None:
+        self.kernel = kernel
+        self.name = name
+
+    def bind(self, args: tuple[Any, ...]) -> BoundKernel:
+        return self.kernel.bind(args)
+
+
+_add_rms_norm_fwd = _Renamed(rms_norm._rms_norm_fwd, "_add_rms_norm_fwd")
+_add_rms_norm_bwd = _Renamed(rms_norm._rms_norm_bwd, "_add_rms_norm_bwd")
+_add_rms_norm_bwd_looped = _Renamed(rms_norm._rms_norm_bwd_looped, "_add_rms_norm_bwd_looped")
+
+
+def add_rms_norm_fwd(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x, residual: [M, N] (one dtype, unit column stride), weight: [N] or None
+    -> (y [M, N], s = x + residual [M, N], both in x.dtype; rstd [M] float32)."""
+    M, N = x.shape
+    if M == 1:
+        # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
+        # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
+        y, s, rstd = add_rms_norm_fwd(x.expand(2, N), residual.expand(2, N), weight, eps)
+        return y[:1], s[:1], rstd[:1]
+    s = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y, rstd = _helion.run(_add_rms_norm_fwd, (x, residual, weight, eps, s), N, x.device)
+    return y, s, rstd
+
+
+def add_rms_norm_bwd(
+    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
+    -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None)."""
+    if ds is None:  # rms_norm's backward at s, launched as rms_norm launches it
+        return rms_norm.rms_norm_bwd(dy, s, weight, rstd)
+    return rms_norm.run_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
