@@ -772,7 +772,7 @@ def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignor
     grads = (
         (torch.empty_like(hidden), torch.empty_like(weight),
          torch.empty_like(bias) if bias is not None else _placeholder(hidden))
-        if fused_grad else (_placeholder(hidden),) * 3
+        if fused_grad else tuple(_placeholder(hidden) for _ in range(3))
     )
     return _loss_like(hidden, hidden.shape[0], reduction), *grads
 

@@ -76,3 +76,124 @@ def test_softmax_of_a_0d_tensor(device):
 def test_bad_input_names_the_op_and_the_problem(call, error, match, device):
     with pytest.raises(error, match=match):
         call(device)
+
+
+# ------------------------------------------------------------------------------------------- the LLM op set
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_llm_ops_on_empty_inputs(backend, device):
+    with hkernels.use_backend(backend):
+        g = torch.randn(0, 8, device=device, requires_grad=True)
+        hkernels.swiglu(g, g).sum().backward()
+        assert g.grad.shape == (0, 8)
+        x = torch.randn(3, 0, device=device, requires_grad=True)
+        assert hkernels.geglu(x, x).shape == (3, 0)
+        y, s = hkernels.add_rms_norm(torch.randn(0, 8, device=device), torch.randn(0, 8, device=device))
+        assert y.shape == s.shape == (0, 8)
+        q = torch.randn(1, 2, 0, 16, device=device, requires_grad=True)
+        qr, kr = hkernels.rope(q, q[:, :1], torch.randn(0, 16, device=device), torch.randn(0, 16, device=device))
+        assert qr.shape == (1, 2, 0, 16) and kr.shape == (1, 1, 0, 16)
+        logits = torch.randn(0, 10, device=device, requires_grad=True)
+        target = torch.zeros(0, dtype=torch.int64, device=device)
+        assert torch.isnan(hkernels.cross_entropy(logits, target))  # a mean over no tokens, as in PyTorch
+        assert hkernels.cross_entropy(logits, target, reduction="sum").item() == 0.0
+        assert hkernels.cross_entropy(logits, target, reduction="none").shape == (0,)
+        hkernels.cross_entropy(logits, target, reduction="sum").backward()
+        assert logits.grad.shape == (0, 10)
+        h = torch.randn(0, 4, device=device, requires_grad=True)
+        w = torch.randn(10, 4, device=device, requires_grad=True)
+        hkernels.fused_linear_cross_entropy(h, w, target, reduction="sum").backward()
+        assert h.grad.shape == (0, 4) and torch.all(w.grad == 0)
+
+
+@pytest.mark.parametrize("backend", [*KERNEL_BACKENDS, "torch"])
+def test_cross_entropy_out_of_range_target_gives_nan_not_a_number(backend, device):
+    """PyTorch raises; the kernels would need a host sync to check, so the row's loss and gradient are NaN."""
+    logits = torch.randn(3, 10, device=device, requires_grad=True)
+    target = torch.tensor([1, 10, -100], device=device)
+    with hkernels.use_backend(backend):
+        loss = hkernels.cross_entropy(logits, target, reduction="none")
+        loss.sum().backward()
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[0]) and loss[2] == 0
+    assert torch.isnan(logits.grad[1]).all() and torch.isfinite(logits.grad[0]).all() and (logits.grad[2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_cross_entropy_without_grad_and_second_backward(backend, device):
+    logits = torch.randn(5, 30, device=device)
+    target = torch.randint(0, 30, (5,), device=device)
+    with hkernels.use_backend(backend):
+        torch.testing.assert_close(hkernels.cross_entropy(logits, target), reference.cross_entropy(logits, target))
+        leaf = logits.clone().requires_grad_()
+        loss = hkernels.cross_entropy(leaf, target)
+    loss.backward(retain_graph=True)
+    # the gradient made by the forward was scaled in place; a second backward must not reuse it silently
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_rope_gradients_for_learned_tables(backend, device):
+    q = torch.randn(2, 3, 5, 8, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 5, 8, device=device, requires_grad=True)
+    cos = torch.randn(5, 8, device=device, requires_grad=True)
+    sin = torch.randn(5, 8, device=device, requires_grad=True)
+    with hkernels.use_backend(backend):
+        qr, kr = hkernels.rope(q, k, cos, sin)
+    (qr.sum() * 2 + (kr * kr).sum()).backward()
+    got = [t.grad.clone() for t in (q, k, cos, sin)]
+    for t in (q, k, cos, sin):
+        t.grad = None
+    qr, kr = reference.rope(q, k, cos, sin)
+    (qr.sum() * 2 + (kr * kr).sum()).backward()
+    for g, t in zip(got, (q, k, cos, sin), strict=True):
+        torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
+
+
+def _t(d, *shape, dtype=torch.float32):
+    return torch.ones(shape, device=d, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda d: hkernels.swiglu(_t(d, 2, 4), _t(d, 2, 5)), ValueError,
+         r"swiglu: gate and up must have the same shape"),
+        (lambda d: hkernels.swiglu(_t(d, 2, 4), _t(d, 2, 4, dtype=torch.float16)), TypeError,
+         r"swiglu: gate and up must have the same dtype"),
+        (lambda d: hkernels.geglu(_t(d, 2, 4), _t(d, 2, 4), approximate="erf"), ValueError,
+         r"geglu: approximate must be 'tanh' or 'none'"),
+        (lambda d: hkernels.rope(_t(d, 1, 2, 3, 5), _t(d, 1, 1, 3, 5), _t(d, 3, 5), _t(d, 3, 5)), ValueError,
+         r"rope: the head dim D must be even"),
+        (lambda d: hkernels.rope(_t(d, 2, 3, 4), _t(d, 2, 3, 4), _t(d, 3, 4), _t(d, 3, 4)), ValueError,
+         r"rope: q must be 4-d"),
+        (lambda d: hkernels.rope(_t(d, 1, 2, 3, 4), _t(d, 1, 1, 3, 4), _t(d, 4, 4), _t(d, 4, 4)), ValueError,
+         r"rope: cos must be \[S, D\]"),
+        (lambda d: hkernels.rope(_t(d, 1, 2, 3, 4), _t(d, 2, 1, 3, 4), _t(d, 3, 4), _t(d, 3, 4)), ValueError,
+         r"rope: q .* and k .* must agree on B, S and D"),
+        (lambda d: hkernels.add_rms_norm(_t(d, 2, 4), _t(d, 3, 4)), ValueError,
+         r"add_rms_norm: x and residual must have the same shape"),
+        (lambda d: hkernels.cross_entropy(_t(d, 2, 3, 4), _t(d, 2, 3, dtype=torch.int64)), ValueError,
+         r"cross_entropy: logits must be 2-d"),
+        (lambda d: hkernels.cross_entropy(_t(d, 2, 4), _t(d, 3, dtype=torch.int64)), ValueError,
+         r"cross_entropy: target must have shape \[T\] = \[2\]"),
+        (lambda d: hkernels.cross_entropy(_t(d, 2, 4), _t(d, 2)), TypeError,
+         r"cross_entropy: target must hold class indices"),
+        (lambda d: hkernels.cross_entropy(_t(d, 2, 4), _t(d, 2, dtype=torch.int64), reduction="avg"), ValueError,
+         r"cross_entropy: reduction must be 'mean', 'sum' or 'none'"),
+        (lambda d: hkernels.cross_entropy(_t(d, 2, 4), _t(d, 2, dtype=torch.int64), label_smoothing=1.5), ValueError,
+         r"cross_entropy: label_smoothing must be a float in \[0, 1\]"),
+        (lambda d: hkernels.fused_linear_cross_entropy(_t(d, 2, 4), _t(d, 10, 5), _t(d, 2, dtype=torch.int64)),
+         ValueError, r"fused_linear_cross_entropy: weight must be \[V, H\] with H = 4"),
+        (lambda d: hkernels.fused_linear_cross_entropy(_t(d, 2, 4), _t(d, 10, 4, dtype=torch.float16),
+                                                       _t(d, 2, dtype=torch.int64)),
+         TypeError, r"fused_linear_cross_entropy: hidden and weight must have the same dtype"),
+        (lambda d: hkernels.fused_linear_cross_entropy(_t(d, 2, 4), _t(d, 10, 4), _t(d, 2, dtype=torch.int64),
+                                                       bias=_t(d, 9)),
+         ValueError, r"fused_linear_cross_entropy: bias must be \[V\] = \[10\]"),
+    ],
+)
+def test_llm_bad_input_names_the_op_and_the_problem(call, error, match, device):
+    with pytest.raises(error, match=match):
+        call(device)

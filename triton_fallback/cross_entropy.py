@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, persistent_programs
+from triton_fallback._common import interpreting, num_sms, persistent_programs
 
 Tensor = torch.Tensor
 
@@ -87,12 +87,26 @@ def _cross_entropy_bwd_kernel(
             tl.store(g_row + cols, (x * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _settings(v: int) -> tuple[int, int, int, int]:
-    """(BLOCK_V, warps, pipeline stages, programs per SM). Interpreter: one big block, few programs."""
-    if interpreting():
+# Rows in flight whose second pass should still find them in L2 (60 MB on the H200, shared with the writes).
+L2_ROW_BUDGET = 40 * 2**20
+
+
+def _settings(v: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_V, warps, pipeline stages, programs per SM) for rows of ``v`` logits.
+
+    Pass 2 re-reads each row: it should come from L2, so the rows in flight (programs × row bytes) are kept under
+    L2_ROW_BUDGET: 2 programs per SM for rows up to ~150 KB, else 1. The block shapes are the ones that compile
+    for sm_90 without spilling (ptxas: 8192 × 8 warps and 16384 × 16 warps, 106 registers, none spilled; 8192 ×
+    16 warps with 2 stages spilled 8 bytes) and, at 16 warps, leave the one program per SM enough loads in
+    flight. Not yet measured on the H200 (python -m bench.sweep_llm is the sweep to run).
+    """
+    if interpreting():  # one big block, few programs
         return min(triton.next_power_of_2(v), 32768), 4, 1, 1
     block = min(triton.next_power_of_2(v), 8192)
-    return block, max(4, min(16, block // 512)), 2, 2
+    per_sm = 2 if 2 * num_sms(device) * v * itemsize <= L2_ROW_BUDGET else 1
+    if per_sm == 1 and v >= 16384:
+        return 16384, 16, 2, 1
+    return block, max(4, min(8, block // 1024)), 2, per_sm
 
 
 def cross_entropy_fwd(
@@ -103,7 +117,7 @@ def cross_entropy_fwd(
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    block, warps, stages, per_sm = _settings(V)
+    block, warps, stages, per_sm = _settings(V, logits.element_size(), logits.device)
     grid = (persistent_programs(logits.device, T, per_sm),)
     _cross_entropy_fwd_kernel[grid](
         logits, target, scale, loss, grad if grad is not None else loss,
