@@ -866,6 +866,192 @@ def fused_linear_cross_entropy(
     return loss
 
 
+# -------------------------------------------------------------------------------------------------- matmul
+
+_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+
+
+def _mm_out_shape(a: Tensor, b: Tensor) -> list[int]:
+    return [*a.shape[:-1], b.shape[-1]]
+
+
+@torch.library.custom_op("hkernels::matmul_fwd", mutates_args=())
+def _matmul_fwd(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str, keep_pre: bool, backend: str
+) -> tuple[Tensor, Tensor]:
+    act = activation or None
+    if a.numel() == 0 or b.numel() == 0:  # nothing for a kernel to do (K = 0 leaves act(bias))
+        backend = "torch"
+    y, pre = dispatch.run("matmul", "matmul_fwd", backend, a, b, bias, act, keep_pre)
+    return y, pre if pre is not None else _placeholder(a)
+
+
+@_matmul_fwd.register_fake
+def _(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str, keep_pre: bool, backend: str
+) -> tuple[Tensor, Tensor]:
+    y = a.new_empty(_mm_out_shape(a, b))
+    return y, (a.new_empty(y.shape) if keep_pre and activation else _placeholder(a))
+
+
+@torch.library.custom_op("hkernels::matmul_act_bwd", mutates_args=())
+def _matmul_act_bwd(dy: Tensor, pre: Tensor, activation: str, backend: str) -> Tensor:
+    if dy.numel() == 0:
+        return dy.new_zeros(dy.shape)
+    return dispatch.run("matmul", "matmul_act_bwd", backend, dy.contiguous(), pre, activation)
+
+
+@_matmul_act_bwd.register_fake
+def _(dy: Tensor, pre: Tensor, activation: str, backend: str) -> Tensor:
+    return dy.new_empty(dy.shape)
+
+
+def _matmul_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    a, b, bias, activation, _keep_pre, backend = inputs
+    ctx.save_for_backward(a, b, output[1] if activation else None)
+    ctx.activation, ctx.backend, ctx.has_bias = activation, backend, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _matmul_backward(ctx: Any, dy: Tensor | None, _dpre: Tensor | None) -> tuple[Tensor | None, ...]:
+    # z = a @ b + bias, y = act(z):  dz = dy · act'(z);  da = dz @ bᵀ;  db = aᵀ @ dz;  dbias = Σ_rows dz.
+    # The gradient matmuls run on the same backend's matmul (no epilogue).
+    if dy is None:
+        return (None,) * 6
+    a, b, pre = ctx.saved_tensors
+    dz = _matmul_act_bwd(dy, pre, ctx.activation, ctx.backend) if ctx.activation else dy
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    da = _matmul_fwd(dz, b.transpose(-1, -2), None, "", False, ctx.backend)[0] if need_a else None
+    db = _matmul_fwd(a.transpose(-1, -2), dz, None, "", False, ctx.backend)[0] if need_b else None
+    dbias = None
+    if ctx.has_bias and need_bias:
+        dbias = dz.reshape(-1, dz.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return da, db, dbias, None, None, None
+
+
+_matmul_fwd.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """``activation(a @ b + bias)`` with the bias and activation fused into the matmul's epilogue.
+
+    a: [M, K] or [B, M, K]; b: [K, N] or [B, K, N] (a transposed view such as ``weight.t()`` is read in place);
+    one dtype (bfloat16/float16 with float32 accumulation, or float32); bias: [N] or None; activation: None,
+    "relu", "gelu" (erf), "gelu_tanh" or "silu". The epilogue is float32 with one rounding. Differentiable in a,
+    b and bias (the backward's matmuls run on the same backend).
+    """
+    _check_tensor("matmul", "a", a, (2, 3))
+    _check_tensor("matmul", "b", b, (2, 3))
+    _check_same("matmul", ("a", "b"), a, b, shape=False)
+    if a.dim() != b.dim():
+        raise ValueError(f"hkernels.matmul: a and b must both be 2-d or both 3-d (batched), got shapes "
+                         f"{list(a.shape)} and {list(b.shape)}")
+    if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+        raise ValueError(f"hkernels.matmul: cannot multiply a {list(a.shape)} by b {list(b.shape)}: a's last dim "
+                         "must equal b's second-to-last (and batch sizes must agree)")
+    if bias is not None:
+        _check_tensor("matmul", "bias", bias, (1,))
+        if bias.shape[0] != b.shape[-1] or bias.device != a.device:
+            raise ValueError(f"hkernels.matmul: bias must be [N] = [{b.shape[-1]}] on {a.device}, got "
+                             f"{list(bias.shape)} on {bias.device}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"hkernels.matmul: activation must be one of None, 'relu', 'gelu', 'gelu_tanh', 'silu'; "
+                         f"got {activation!r}")
+    keep_pre = activation is not None and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (a, b, bias)
+    )
+    y, _ = _matmul_fwd(a, b, bias, activation or "", keep_pre, _request("matmul"))
+    return y
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@torch.library.custom_op("hkernels::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0:
+        backend = "torch"
+    return dispatch.run("attention", "attention_fwd", backend, _d_unit(q), _d_unit(k), _d_unit(v), causal, scale)
+
+
+@_attention_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("hkernels::attention_bwd", mutates_args=())
+def _attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0:
+        backend = "torch"
+    return dispatch.run("attention", "attention_bwd", backend, _d_unit(do), _d_unit(q), _d_unit(k), _d_unit(v), o,
+                        lse, causal, scale)
+
+
+@_attention_bwd.register_fake
+def _(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, causal, scale, backend = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx: Any, do: Tensor | None, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    if do is None:
+        return (None,) * 6
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
+    """Scaled dot-product attention, flash algorithm: ``softmax(scale · q kᵀ [causal mask]) v``.
+
+    q: [B, Hq, S, D]; k, v: [B, Hk, Skv, D] with Hq a multiple of Hk (grouped-query attention); D in 16, 32, 64,
+    128; one dtype (bfloat16/float16; float32 too); any strides with unit stride along D (transposed views of
+    [B, S, H, D] projections are read in place). ``scale`` defaults to D^-0.5. ``causal`` masks key j > query i
+    and needs S == Skv (with different lengths, whether the mask aligns top-left or bottom-right is ambiguous:
+    build the mask yourself). Returns [B, Hq, S, D] in q's dtype. Differentiable in q, k, v; the backward never
+    materialises the S × Skv matrix.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor("attention", name, t, (4,))
+    _check_same("attention", ("q", "k", "v"), q, k, v, shape=False)
+    B, Hq, S, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"hkernels.attention: k and v must have the same shape, got {list(k.shape)} and "
+                         f"{list(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"hkernels.attention: q [B, Hq, S, D] = {list(q.shape)} and k [B, Hk, Skv, D] = "
+                         f"{list(k.shape)} must agree on B and D")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"hkernels.attention: the query heads ({Hq}) must be a multiple of the key/value heads "
+                         f"({k.shape[1]})")
+    if D not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"hkernels.attention: head dim D must be one of {ATTENTION_HEAD_DIMS}, got {D}")
+    if causal and k.shape[2] != S:
+        raise ValueError(f"hkernels.attention: causal=True needs as many queries as keys (S = {S}, Skv = "
+                         f"{k.shape[2]}): with different lengths the mask's alignment is ambiguous")
+    scale = D**-0.5 if scale is None else float(scale)
+    o, _ = _attention_fwd(q, k, v, bool(causal), scale, _request("attention"))
+    return o
+
+
 for _name, _fn in (
     ("rms_norm", rms_norm),
     ("layer_norm", layer_norm),
@@ -876,5 +1062,7 @@ for _name, _fn in (
     ("add_rms_norm", add_rms_norm),
     ("cross_entropy", cross_entropy),
     ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+    ("matmul", matmul),
+    ("attention", attention),
 ):
     dispatch.register_op(_name, _fn)

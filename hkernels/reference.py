@@ -318,3 +318,117 @@ def fused_linear_cross_entropy_fwd(
 def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
     """grad [R, C] *= dloss [R], in place."""
     return cross_entropy_bwd(dloss, grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Matmul with an epilogue, and attention.
+# ---------------------------------------------------------------------------------------------------------
+
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+
+
+def _activate(z: Tensor, activation: str | None) -> Tensor:
+    if activation is None:
+        return z
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    return torch.nn.functional.silu(z)
+
+
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """act(a @ b + bias): a [M, K] or [B, M, K], b [K, N] or [B, K, N]; float32 accumulation for 16-bit inputs."""
+    ct = _compute_dtype(a.dtype)
+    z = torch.matmul(a.to(ct), b.to(ct))
+    if bias is not None:
+        z = z + bias.to(ct)
+    return _activate(z, activation).to(a.dtype)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
+    """softmax(scale · q kᵀ, causal mask) v, with GQA: q [B, Hq, S, D], k/v [B, Hk, Skv, D], Hq a multiple of Hk."""
+    ct = _compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(ct).repeat_interleave(group, dim=1)
+    vf = v.to(ct).repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
+    if causal:
+        s, skv = q.shape[2], k.shape[2]
+        mask = torch.ones(s, skv, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf).to(q.dtype)
+
+
+def matmul_fwd(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+) -> tuple[Tensor, Tensor | None]:
+    """-> (act(a @ b + bias) in a's dtype, the pre-activation a @ b + bias (when keep_pre and an activation))."""
+    ct = _compute_dtype(a.dtype)
+    z = torch.matmul(a.to(ct), b.to(ct))
+    if bias is not None:
+        z = z + bias.to(ct)
+    pre = z.to(a.dtype) if keep_pre and activation is not None else None
+    return _activate(z, activation).to(a.dtype), pre
+
+
+def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
+    """dz = dy · act'(z) (written out: a custom op's implementation runs without autograd)."""
+    ct = _compute_dtype(z.dtype)
+    zf, d = z.to(ct), dy.to(ct)
+    if activation == "relu":
+        return (d * (zf > 0)).to(dy.dtype)
+    if activation == "silu":
+        sig = torch.sigmoid(zf)
+        return (d * sig * (1 + zf * (1 - sig))).to(dy.dtype)
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(zf / math.sqrt(2)))
+        return (d * (cdf + zf * torch.exp(-0.5 * zf * zf) / math.sqrt(2 * math.pi))).to(dy.dtype)
+    k = math.sqrt(2 / math.pi)  # gelu_tanh
+    t = torch.tanh(k * (zf + 0.044715 * zf**3))
+    dgelu = 0.5 * (1 + t) + 0.5 * zf * (1 - t * t) * k * (1 + 3 * 0.044715 * zf * zf)
+    return (d * dgelu).to(dy.dtype)
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """-> (o [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32: logsumexp of the scaled, masked scores)."""
+    ct = _compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(ct).repeat_interleave(group, dim=1)
+    vf = v.to(ct).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    o = torch.matmul(torch.exp(scores - lse[..., None]), vf)
+    return o.to(q.dtype), lse.float()
+
+
+def attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """P = exp(S − lse);  dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  dQ = scale·dS K;  dK = scale·dSᵀ Q
+    (dK, dV summed over each group's query heads)."""
+    ct = _compute_dtype(q.dtype)
+    B, Hq, S, _ = q.shape
+    Hk = k.shape[1]
+    group = Hq // Hk
+    qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(group, 1), v.to(ct).repeat_interleave(group, 1)
+    dof, of = do.to(ct), o.to(ct)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(S, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.exp(scores - lse.to(ct)[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    ds = p * (dp - (dof * of).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    dk = dk.reshape(B, Hk, group, *dk.shape[2:]).sum(2)
+    dv = dv.reshape(B, Hk, group, *dv.shape[2:]).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -152,6 +152,9 @@ class Case:
     unit_upstream: bool = False  # upstream gradient exactly 1 (scalar losses)
     gpu_only: bool = False
     min_chunk: int | None = None  # fused_linear_cross_entropy: tokens per chunk, small to test several chunks
+    # PyTorch's own computation in the dtype under test, when it is not hkernels.reference's (float32 math, one
+    # rounding): matmul and attention round their intermediates, as every fast kernel does.
+    base: Callable[..., Any] | None = None
 
     @property
     def id(self) -> str:
@@ -275,6 +278,73 @@ CASES_LLM: list[Case] = [
     _flce_case("chunks_none", 150, 16, 64, reduction="none", min_chunk=64),
     _flce_case("llama_like", 2048, 512, 32000, bias=False, gpu_only=True),
     _flce_case("llama_chunks", 3000, 256, 32000, gpu_only=True),
+]
+
+
+def _torch_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """PyTorch unfused in the input dtype: matmul, + bias, activation, each rounded."""
+    z = torch.matmul(a, b)
+    z = z + bias if bias is not None else z
+    acts = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+    return acts[activation](z)
+
+
+def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
+    """PyTorch's scaled_dot_product_attention in the input dtype (kv heads repeated for grouped queries)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def _mm_case(name: str, m: int, k: int, n: int, batch: int = 0, bias: bool = False, activation: str | None = None,
+             transposed_b: bool = False, gpu_only: bool = False) -> Case:
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        lead = (batch,) if batch else ()
+        a = _randn(g, *lead, m, k)
+        b = _randn(g, *lead, n, k).transpose(-1, -2) if transposed_b else _randn(g, *lead, k, n)
+        tensors = {"a": a, "b": b * k**-0.5}
+        if bias:
+            tensors["bias"] = _randn(g, n, scale=0.5)
+        return tensors, {"activation": activation}
+
+    grads = ("a", "b", "bias") if bias else ("a", "b")
+    return Case("matmul", name, make, grads, gpu_only=gpu_only, base=_torch_matmul)
+
+
+def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, causal: bool = False,
+               transposed: bool = False, scale: float | None = None, gpu_only: bool = False) -> Case:
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        if transposed:  # views of [B, S, H, D] projections
+            q = _randn(g, b, s, hq, d).transpose(1, 2)
+            k, v = (_randn(g, b, skv, hk, d).transpose(1, 2) for _ in range(2))
+        else:
+            q, k, v = _randn(g, b, hq, s, d), _randn(g, b, hk, skv, d), _randn(g, b, hk, skv, d)
+        return {"q": q, "k": k, "v": v}, {"causal": causal, "scale": scale}
+
+    return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention)
+
+
+CASES_LLM += [
+    _mm_case("one_row", 1, 64, 48),
+    _mm_case("odd", 37, 17, 53),
+    _mm_case("n1", 5, 32, 1),
+    _mm_case("bias_relu", 33, 64, 40, bias=True, activation="relu"),
+    _mm_case("gelu", 20, 48, 72, activation="gelu"),
+    _mm_case("bias_gelu_tanh", 20, 48, 72, bias=True, activation="gelu_tanh"),
+    _mm_case("silu_weight_t", 19, 64, 96, activation="silu", transposed_b=True),
+    _mm_case("batched_bias_silu", 7, 40, 24, batch=3, bias=True, activation="silu"),
+    _mm_case("llama_qkv", 512, 4096, 6144, transposed_b=True, gpu_only=True),
+    _mm_case("llama_up_silu", 300, 4096, 14336, bias=True, activation="silu", gpu_only=True),
+    _attn_case("one_query", 1, 1, 1, 1, 1, 64),
+    _attn_case("odd", 1, 2, 2, 7, 7, 64),
+    _attn_case("causal_odd", 1, 2, 1, 37, 37, 64, causal=True),
+    _attn_case("gqa_cross", 2, 4, 2, 9, 20, 16),
+    _attn_case("mqa_causal", 1, 4, 1, 20, 20, 16, causal=True),
+    _attn_case("d128_transposed", 1, 2, 2, 33, 33, 128, transposed=True, causal=True),
+    _attn_case("scale", 1, 2, 1, 10, 17, 32, scale=0.3),
+    _attn_case("llama_causal", 2, 32, 8, 1000, 1000, 128, causal=True, gpu_only=True),
+    _attn_case("long_kv", 1, 8, 8, 128, 4099, 64, gpu_only=True),
 ]
 if not ON_GPU:
     CASES_LLM = [c for c in CASES_LLM if not c.gpu_only]

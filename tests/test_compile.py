@@ -85,6 +85,8 @@ def _llm_inputs(op: str, device: torch.device) -> tuple[list[torch.Tensor], list
         "add_rms_norm": [t(3, 48), t(3, 48), t(48, scale=0.5)],
         "cross_entropy": [t(6, 40), target],
         "fused_linear_cross_entropy": [t(6, 16), t(40, 16, scale=0.25), target],
+        "matmul": [t(2, 5, 16), t(2, 16, 12, scale=0.25), t(12)],
+        "attention": [t(1, 4, 9, 16), t(1, 2, 9, 16), t(1, 2, 9, 16)],
     }[op]
     return made, [x for x in made if x.requires_grad]
 
@@ -94,22 +96,26 @@ def _llm_sum(out) -> torch.Tensor:
     return sum((o.float() * (i + 2)).sum() for i, o in enumerate(outs))  # every output feeds the loss
 
 
-LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy"]
+LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "matmul",
+           "attention"]
+LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True}}
 
 
 def _check_llm(op: str, backend: str, compile_backend: str, device: torch.device) -> None:
     torch._dynamo.reset()
     inputs, leaves = _llm_inputs(op, device)
 
+    kwargs = LLM_KWARGS.get(op, {})
+
     def f(*args):
-        return _llm_sum(getattr(hkernels, op)(*args))
+        return _llm_sum(getattr(hkernels, op)(*args, **kwargs))
 
     compiled = torch.compile(f, fullgraph=True, backend=compile_backend)
     with hkernels.use_backend(backend):
         out = compiled(*inputs)
         grads = torch.autograd.grad(out, leaves)
     ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
-    ref = _llm_sum(getattr(reference, op)(*ref_inputs))
+    ref = _llm_sum(getattr(reference, op)(*ref_inputs, **kwargs))
     ref_grads = torch.autograd.grad(ref, [x for x in ref_inputs if x.requires_grad])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, ref_grads, strict=True):
@@ -147,6 +153,8 @@ def test_llm_custom_op_registration(op, fused, device):
         "fused_linear_cross_entropy": lambda a: (
             ops.fused_linear_cross_entropy_fwd.default, (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, "")
         ),
+        "matmul": lambda a: (ops.matmul_fwd.default, (a[0], a[1], a[2], "silu", True, "")),
+        "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, "")),
     }[op](inputs)
     if fused:
         utils = ("test_schema", "test_autograd_registration", "test_faketensor")

@@ -19,8 +19,8 @@ def _x(device: torch.device, n: int = 16) -> torch.Tensor:
 
 def test_ops_lists_every_op():
     assert hkernels.ops() == [
-        "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "rms_norm", "rope",
-        "softmax", "swiglu",
+        "add_rms_norm", "attention", "cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "matmul",
+        "rms_norm", "rope", "softmax", "swiglu",
     ]
 
 
@@ -36,7 +36,7 @@ def test_backends_without_gpu_or_interpret_is_torch_only(monkeypatch):
 
 
 def test_backends_rejects_unknown_op():
-    with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, rms_norm, rope, softmax, swiglu"):
+    with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, matmul, rms_norm, rope, softmax, swiglu"):
         hkernels.backends("gelu")
 
 
@@ -80,7 +80,7 @@ def test_env_is_read_at_call_time(monkeypatch, device):
 @pytest.mark.parametrize("env", ["cuda", "helion,softmax=fast", "gelu=triton"])
 def test_env_errors_name_the_valid_choices(monkeypatch, device, env):
     monkeypatch.setenv("HKERNELS_BACKEND", env)
-    with pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, rms_norm, rope, softmax, swiglu)"):
+    with pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, matmul, rms_norm, rope, softmax, swiglu)"):
         hkernels.softmax(_x(device))
 
 
@@ -110,7 +110,7 @@ def test_scope_restores_after_an_exception(device):
 @pytest.mark.parametrize(("args", "kwargs"), [(("fast",), {}), ((), {"softmax": "fast"}), ((), {"gelu": "torch"})])
 def test_use_backend_rejects_unknown_names(args, kwargs):
     with (
-        pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, rms_norm, rope, softmax, swiglu)"),
+        pytest.raises(ValueError, match=r"(auto, helion, triton, torch|layer_norm, matmul, rms_norm, rope, softmax, swiglu)"),
         hkernels.use_backend(*args, **kwargs),
     ):
         pass

@@ -25,10 +25,9 @@ from triton_fallback.swiglu import _tile, launch_settings
 
 Tensor = torch.Tensor
 
-TWO_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(1.5957691216057308)  # 2·√(2/π): σ's argument is 2z
-TWO_SQRT_2_OVER_PI_X3C: tl.constexpr = tl.constexpr(0.21406444881780076)  # 2·√(2/π)·3·0.044715, in d(2z)/dg
-SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865475)
-INV_SQRT_2PI: tl.constexpr = tl.constexpr(0.3989422804014327)
+# Constants are written as literals in the kernels (module-level tl.constexpr floats times a tensor fail in
+# Triton 3.9's interpreter): 1.5957691216057308 = 2·√(2/π) (σ's argument is 2z), 0.21406444881780076 =
+# 2·√(2/π)·3·0.044715 (in d(2z)/dg), 0.7071067811865475 = 1/√2, 0.3989422804014327 = 1/√(2π).
 
 
 @triton.jit
@@ -36,7 +35,7 @@ def _normal_cdf_fast(g):
     # Φ(g) and e^(−g²/2), from erfc(x) ≈ t·(a1 + t·(a2 + t·(a3 + t·(a4 + t·a5))))·e^(−x²), t = 1/(1 + p·x), x ≥ 0
     # (Abramowitz & Stegun 7.1.26, |error| ≤ 1.5e-7), at x = |g|/√2: Φ(g) = ½·erfc(x) for g < 0 and 1 − ½·erfc(x)
     # for g ≥ 0, so the negative tail has no 1 + erf cancellation. At large |g|, e^(−x²) = 0 and Φ is 0 or 1.
-    x = tl.abs(g) * SQRT_HALF
+    x = tl.abs(g) * 0.7071067811865475
     t = 1.0 / (1.0 + 0.3275911 * x)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     e = tl.exp(-x * x)
@@ -55,12 +54,12 @@ def _geglu_fwd_kernel(
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if APPROX_TANH:
-        a = g * tl.sigmoid(TWO_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     elif FAST_CDF:
         cdf, _ = _normal_cdf_fast(g)
         a = g * cdf
     else:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * SQRT_HALF))
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865475))
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], (a * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,19 +82,19 @@ def _geglu_bwd_kernel(
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g2 = g * g
     if APPROX_TANH:
-        e = tl.exp(-TWO_SQRT_2_OVER_PI * (g + 0.044715 * g2 * g))
+        e = tl.exp(-1.5957691216057308 * (g + 0.044715 * g2 * g))
         s = 1.0 / (1.0 + e)
         one_minus_s = tl.where(s == 0.0, 1.0, e * s)
         gelu = g * s
-        dgelu = s + gelu * one_minus_s * (TWO_SQRT_2_OVER_PI + TWO_SQRT_2_OVER_PI_X3C * g2)
+        dgelu = s + gelu * one_minus_s * (1.5957691216057308 + 0.21406444881780076 * g2)
     elif FAST_CDF:
         cdf, e = _normal_cdf_fast(g)  # e = e^(−g²/2): φ(g) from the same exponential
         gelu = g * cdf
-        dgelu = cdf + g * INV_SQRT_2PI * e
+        dgelu = cdf + g * 0.3989422804014327 * e
     else:
-        cdf = 0.5 * (1.0 + tl.math.erf(g * SQRT_HALF))
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865475))
         gelu = g * cdf
-        dgelu = cdf + g * INV_SQRT_2PI * tl.exp(-0.5 * g2)
+        dgelu = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g2)
     out = rows[:, None] * N + cols[None, :]
     tl.store(dg_ptr + out, (dy * u * dgelu).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + out, (dy * gelu).to(du_ptr.dtype.element_ty), mask=mask)

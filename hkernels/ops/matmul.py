@@ -1,0 +1,248 @@
+"""Matmul with a fused epilogue in Helion (the twin of ``triton_fallback/matmul.py``).
+
+Math, with float32 accumulation whatever the input dtype (float32 inputs use IEEE products, no tf32):
+  z = a @ b + bias,   y = act(z),   act in {none, relu, gelu (erf), gelu_tanh, silu}
+  relu(z) = max(z, 0);  gelu(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
+  = z·σ(2u) with u = √(2/π)·(z + 0.044715·z³) (no tanh, no overflow);  silu(z) = z·σ(z).
+The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
+Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
+  relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
+  silu' = s·(1 + z·(1 − s)), s = σ(z).
+The matmul parts of the backward (dz @ bᵀ, aᵀ @ dz) are this same forward on transposed views.
+
+Shapes: a [M, K] or [B, M, K]; b [K, N] or [B, K, N] (same B); bias [N] of any float dtype or None; y, z: [.., M, N]
+contiguous in a's dtype. a and b may be any strided views; when one of the last two strides is 1 (row-major, or a
+transposed view such as ``weight.t()``) they are read in place. Bytes for b-byte elements: reads M·K·b once per
+column tile of y and K·N·b once per row tile (L2 serves most repeats: programs run in L2-swizzled groups), writes
+M·N·b (twice with z). FLOPs: 2·B·M·N·K.
+
+One kernel serves 2-D and batched inputs: 2-D ones are viewed as a batch of one, a size-1 dim that Helion
+specialises away. Each program (or persistent loop step) owns a [BLOCK_M, BLOCK_N] tile of one batch and walks K in
+steps of BLOCK_K. The outputs are allocated by the host and passed in, so that Helion knows their layout and can
+store them through TMA descriptors (``indexing: tensor_descriptor``); a and b are read through descriptors too
+where their strides allow (Helion checks 16-byte alignment and falls back to pointer loads per tensor otherwise;
+transposed views become permuted descriptors). Helion switches to 64-bit indices for tensors of more than 2^31
+elements; a view spanning more memory than it holds (a slice of a wider tensor) takes the kernel's int64 twin.
+
+Configs (``hkernels/configs/<arch>/matmul.json``): the buckets of ``_matmul_fwd`` are chosen by the key of
+``bucket_key(M, N)`` = 10·m_class + n_class, with m_class 0: M ≤ 16 (decode rows), 1: M ≤ 128, 2: M ≤ 1024,
+3: larger, and n_class 0: N ≤ 1024, 1: larger, so that a bucket's ``max_n`` of 21 means "M ≤ 1024, any N" when
+the buckets before it took smaller keys. K does not choose the config. float32 inputs have their own buckets
+(IEEE float32 products run on FMA units, not tensor cores: smaller tiles). The element-wise ``_matmul_act_bwd``
+is bucketed by N, as the swiglu kernels.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels import _interpret
+from hkernels.ops import _helion
+from hkernels.ops.geglu import A1, A2, A3, A4, A5, INV_SQRT_2PI, SQRT_HALF, TWO_SQRT_2_OVER_PI, P
+from hkernels.ops.geglu import TWO_SQRT_2_OVER_PI_X3C
+from hkernels.ops.swiglu import int64_twin
+from hkernels.ops.swiglu import run as run_elementwise
+
+Tensor = torch.Tensor
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+_INT32_MAX = 2**31 - 1
+
+
+def _activation(z: Tensor, activation: str | None) -> Tensor:
+    # act(z) on a float32 tile; ``activation`` is a compile-time constant, so one branch is traced.
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return 0.5 * z * (1.0 + torch.erf(z * SQRT_HALF))
+    if activation == "gelu_tanh":
+        return z * torch.sigmoid(TWO_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+    if activation == "silu":
+        return z * torch.sigmoid(z)
+    return z
+
+
+@helion.kernel(static_shapes=False, dot_precision="ieee")
+def _matmul_fwd(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None,
+    y: Tensor,
+    z: Tensor | None,
+    activation: hl.constexpr,
+    upcast: hl.constexpr,
+) -> None:
+    # a: [B, M, K], b: [B, K, N], bias: [N] or None -> y (and z when given): [B, M, N], written in place.
+    # Reads a [BLOCK_M, K] row panel of a and a [K, BLOCK_N] column panel of b per tile, writes the tile of y once.
+    # ``upcast`` (interpret mode only) multiplies float32 copies of the tiles: Triton's interpreter cannot multiply
+    # bfloat16 tiles (it multiplies their raw bits); the products are the same, bf16 ones being exact in float32.
+    nb, m, k = a.size()
+    n = b.size(2)
+    for tile_m, tile_n, tile_b in hl.tile([m, n, nb], block_size=[None, None, 1]):
+        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(k):
+            if upcast:
+                lhs = a[tile_b.begin, tile_m, tile_k].to(torch.float32)
+                acc = hl.dot(lhs, b[tile_b.begin, tile_k, tile_n].to(torch.float32), acc=acc)
+            else:
+                acc = hl.dot(a[tile_b.begin, tile_m, tile_k], b[tile_b.begin, tile_k, tile_n], acc=acc)
+        if bias is not None:
+            acc = acc + bias[tile_n].to(torch.float32)[None, :]
+        if z is not None:
+            z[tile_b.begin, tile_m, tile_n] = acc.to(z.dtype)
+        y[tile_b.begin, tile_m, tile_n] = _activation(acc, activation).to(y.dtype)
+
+
+# Backward of the epilogue, per element (the math of each derivative in the module docstring):
+#   tanh form: 1 − s is taken as e·s with e = e^(−2u) (no cancellation where s ≈ 1); where e overflows, s = 0 and
+#   1 − s = 1, so the product stays 0 instead of inf·0. erf form, 16-bit inputs: Φ from the cheap erfc form of
+#   geglu.py (error ≤ 3e-7, far below a 16-bit ulp), which keeps this memory-bound kernel off the issue limit.
+@helion.kernel(static_shapes=False)
+def _matmul_act_bwd(dy: Tensor, z: Tensor, activation: hl.constexpr, fast_cdf: hl.constexpr) -> Tensor:
+    # dy, z: [R, N] -> dz [R, N]; reads a tile of dy and z once, writes the tile of dz.
+    r, n = z.size()
+    n = hl.specialize(n)
+    dz = torch.empty([r, n], dtype=dy.dtype, device=dy.device)
+    for tile_r, tile_n in hl.tile([r, n]):
+        d = dy[tile_r, tile_n].to(torch.float32)
+        x = z[tile_r, tile_n].to(torch.float32)
+        if activation == "relu":
+            g = torch.where(x > 0.0, d, 0.0)
+        elif activation == "gelu":
+            if fast_cdf:
+                t = torch.abs(x) * SQRT_HALF
+                q = 1.0 / (1.0 + P * t)
+                e = torch.exp(-t * t)
+                half_tail = 0.5 * q * (A1 + q * (A2 + q * (A3 + q * (A4 + q * A5)))) * e
+                cdf = torch.where(x >= 0.0, 1.0 - half_tail, half_tail)
+            else:
+                cdf = 0.5 * (1.0 + torch.erf(x * SQRT_HALF))
+                e = torch.exp(-0.5 * x * x)
+            g = d * (cdf + x * INV_SQRT_2PI * e)
+        elif activation == "gelu_tanh":
+            x2 = x * x
+            e = torch.exp(-TWO_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
+            s = 1.0 / (1.0 + e)
+            one_minus_s = torch.where(s == 0.0, 1.0, e * s)
+            g = d * (s + x * s * one_minus_s * (TWO_SQRT_2_OVER_PI + TWO_SQRT_2_OVER_PI_X3C * x2))
+        else:  # silu
+            s = torch.sigmoid(x)
+            g = d * s * (1.0 + x * (1.0 - s))
+        dz[tile_r, tile_n] = g.to(dz.dtype)
+    return dz
+
+
+_FWD_WIDE = helion.kernel(_matmul_fwd.fn, static_shapes=False, dot_precision="ieee", index_dtype=torch.int64)
+_BWD_WIDE = {_matmul_act_bwd.name: int64_twin(_matmul_act_bwd)}
+
+
+def bucket_key(m: int, n: int) -> int:
+    """The config-bucket key of a matmul with M rows and N columns per batch (see the module docstring)."""
+    m_class = 0 if m <= 16 else 1 if m <= 128 else 2 if m <= 1024 else 3
+    return 10 * m_class + (0 if n <= 1024 else 1)
+
+
+def _span(t: Tensor) -> int:
+    # elements from the first to one past the last that a view can touch
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 0)
+
+
+def _readable(t: Tensor) -> Tensor:
+    # The kernel reads any strides, but only a view with a unit stride in one of its last two dims streams rows;
+    # anything else (a stepped slice, a broadcast) is copied once.
+    if t.stride(-1) == 1 or t.stride(-2) == 1:
+        return t
+    return t.contiguous()
+
+
+def _batched(t: Tensor) -> Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"matmul: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul: a and b must share a dtype, got {a.dtype} and {b.dtype}")
+
+
+def matmul_fwd(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+) -> tuple[Tensor, Tensor | None]:
+    """a: [M, K] or [B, M, K], b: [K, N] or [B, K, N], bias: [N] or None -> (y, z or None), [.., M, N] contiguous.
+
+    y = act(a @ b + bias) in a's dtype; z = a @ b + bias in a's dtype when ``keep_pre`` and an activation is given.
+    """
+    _check(a, b, activation)
+    a3, b3 = _batched(_readable(a)), _batched(_readable(b))
+    nb, m, k = a3.shape
+    n = b3.shape[2]
+    y = torch.empty((nb, m, n), dtype=a.dtype, device=a.device)
+    z = torch.empty_like(y) if keep_pre and activation is not None else None
+    out_shape = (*a.shape[:-1], n)
+    if y.numel() == 0:
+        return y.view(out_shape), None if z is None else z.view(out_shape)
+    if k == 0:  # an empty sum: the epilogue of zeros, on the host
+        pre = torch.zeros((nb, m, n), dtype=torch.float32, device=a.device)
+        if bias is not None:
+            pre = pre + bias.to(torch.float32)
+        y.copy_(_host_activation(pre, activation))
+        if z is not None:
+            z.copy_(pre)
+        return y.view(out_shape), None if z is None else z.view(out_shape)
+    # Helion 1.5.0 specialises a size-1 dim of an output to a broadcast and then stores every row (column) of a
+    # tile to the one address (seen: M = 1 gave row 0 the value of a masked-off row). M or N of 1 is padded to 2
+    # with zeros, a copy of K elements per batch; the extra row (column) of y is computed and dropped.
+    pad_m, pad_n = m == 1, n == 1
+    if pad_m:
+        a3 = torch.cat([a3, a3.new_zeros((nb, 1, k))], dim=1)
+    if pad_n:
+        b3 = torch.cat([b3, b3.new_zeros((nb, k, 1))], dim=2)
+        if bias is not None:
+            bias = torch.cat([bias.reshape(1), bias.new_zeros(1)])
+    if pad_m or pad_n:
+        y_run = y.new_empty((nb, m + pad_m, n + pad_n))
+        z_run = None if z is None else torch.empty_like(y_run)
+    else:
+        y_run, z_run = y, z
+    tensors = [t for t in (a3, b3, bias, y_run, z_run) if t is not None]
+    kernel = _FWD_WIDE if any(_span(t) > _INT32_MAX for t in tensors) else _matmul_fwd
+    upcast = _interpret.enabled() and a.dtype == torch.bfloat16
+    _helion.run(kernel, (a3, b3, bias, y_run, z_run, activation, upcast), bucket_key(m, n), a.device)
+    if y_run is not y:
+        y.copy_(y_run[:, :m, :n])
+        if z is not None:
+            z.copy_(z_run[:, :m, :n])
+    return y.view(out_shape), None if z is None else z.view(out_shape)
+
+
+def _host_activation(z: Tensor, activation: str | None) -> Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    return z
+
+
+def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
+    """dy, z: [.., M, N] -> dz = dy·act'(z) in dy's dtype, [.., M, N] contiguous."""
+    if activation not in ACTIVATIONS[1:]:
+        raise ValueError(f"matmul_act_bwd: activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
+    n = z.shape[-1]
+    dy2 = dy.reshape(-1, n)
+    z2 = z.reshape(-1, n)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    if z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    if dy2.numel() == 0:
+        return torch.empty(z.shape, dtype=dy.dtype, device=dy.device)
+    dz = run_elementwise(_matmul_act_bwd, _BWD_WIDE, (dy2, z2, activation, dy.dtype != torch.float32))
+    return dz.view(z.shape)

@@ -1,0 +1,387 @@
+"""Matmul with a fused epilogue in hand-written Triton (the twin of ``hkernels/ops/matmul.py``).
+
+Math, with float32 accumulation whatever the input dtype (float32 inputs use IEEE products, no tf32):
+  z = a @ b + bias,   y = act(z),   act in {none, relu, gelu (erf), gelu_tanh, silu}
+  relu(z) = max(z, 0);  gelu(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
+  = z·σ(2u) with u = √(2/π)·(z + 0.044715·z³) (no tanh, no overflow);  silu(z) = z·σ(z).
+The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
+Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
+  relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
+  silu' = s·(1 + z·(1 − s)), s = σ(z).
+The matmul parts of the backward (dz @ bᵀ, aᵀ @ dz) are this same forward on transposed views.
+
+Shapes: a [M, K] or [B, M, K]; b [K, N] or [B, K, N] (same B); bias [N] of any float dtype or None; y, z: [.., M, N]
+contiguous in a's dtype. a and b may be any strided views; when one of the last two strides is 1 (row-major, or a
+transposed view such as ``weight.t()``) they are read in place. Bytes for b-byte elements: reads M·K·b once per
+column tile of y and K·N·b once per row tile (L2 serves most repeats: tiles run in L2-swizzled groups of GROUP_M
+row tiles), writes M·N·b (twice with z). FLOPs: 2·B·M·N·K.
+
+Two kernels, one tile loop body:
+- ``_matmul_tma_kernel`` (16-bit inputs whose strides suit TMA: 16-byte aligned base and non-unit strides): a
+  persistent grid of ``programs_per_sm`` programs per multiprocessor walks the B·⌈M/BM⌉·⌈N/BN⌉ tiles in grouped
+  order. a, b, y (and z) are read and written through host-built rank-3 TMA descriptors ([B, rows, cols] with a
+  unit last stride; a transposed view gets a descriptor of its storage order and its tile is transposed in
+  registers, which wgmma reads from shared memory either way). TMA zero-fills reads past M, N, K and clips writes,
+  so no masks; 128×256 tiles store their epilogue in ``subtile`` column slices to keep the staging buffer small.
+- ``_matmul_kernel`` (float32, unaligned strides, odd N): one program per tile, pointer loads with 64-bit row
+  offsets (M·K or M·N may pass 2^31 elements), masks only on the edges.
+
+Launch settings (``matmul_config``) are chosen by the same classes as the Helion configs: m_class 0: M ≤ 16 (decode
+rows), 1: M ≤ 128, 2: M ≤ 1024, 3: larger; n_class 0: N ≤ 1024, 1: larger; float32 apart (FMA, not tensor cores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from triton_fallback._common import interpreting, num_sms
+from triton_fallback.geglu import _normal_cdf_fast
+from triton_fallback.swiglu import _tile, launch_settings
+
+Tensor = torch.Tensor
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+_TMA_DTYPES = (torch.bfloat16, torch.float16)
+# Constants are literals in the kernels, as in geglu.py: 0.7071067811865475 = 1/√2, 1.5957691216057308 = 2·√(2/π)
+# (σ's argument is 2u), 0.21406444881780076 = 2·√(2/π)·3·0.044715 (in d(2u)/dz), 0.3989422804014327 = 1/√(2π).
+
+
+@triton.jit
+def _activation(z, ACTIVATION: tl.constexpr):
+    # act(z) on a float32 tile; ACTIVATION is a compile-time string ("" for none).
+    if ACTIVATION == "relu":
+        return tl.maximum(z, 0.0)
+    elif ACTIVATION == "gelu":
+        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865475))
+    elif ACTIVATION == "gelu_tanh":
+        return z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+    elif ACTIVATION == "silu":
+        return z * tl.sigmoid(z)
+    else:
+        return z
+
+
+@triton.jit
+def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    # Grouped (L2-swizzled) order within a batch: GROUP_M row tiles share each column panel of b while it is hot.
+    per_batch = tiles_m * tiles_n
+    batch = tile // per_batch
+    t = tile % per_batch
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % group_rows
+    pid_n = (t % per_group) // group_rows
+    return batch, pid_m, pid_n
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    a_desc, b_desc, y_desc, z_desc,  # rank-3 TMA descriptors: a, b in storage order (see A_T, B_T); y, z [B, M, N]
+    bias_ptr,  # [N] or None
+    M, N, K, BATCH,
+    A_T: tl.constexpr, B_T: tl.constexpr,  # a (b) is a transposed view: its descriptor is over [B, K, M] ([B, N, K])
+    ACTIVATION: tl.constexpr, KEEP_PRE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    # Per tile: reads a [BLOCK_M, K] panel of a and a [K, BLOCK_N] panel of b, writes the tile of y (and z) once.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n * BATCH
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        batch, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(k_steps):
+            off_k = step * BLOCK_K
+            if A_T:
+                lhs = tl.trans(tl.reshape(a_desc.load([batch, off_k, off_m]), (BLOCK_K, BLOCK_M)))
+            else:
+                lhs = tl.reshape(a_desc.load([batch, off_m, off_k]), (BLOCK_M, BLOCK_K))
+            if B_T:
+                rhs = tl.trans(tl.reshape(b_desc.load([batch, off_n, off_k]), (BLOCK_N, BLOCK_K)))
+            else:
+                rhs = tl.reshape(b_desc.load([batch, off_k, off_n]), (BLOCK_K, BLOCK_N))
+            if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
+                lhs = lhs.to(tl.float32)
+                rhs = rhs.to(tl.float32)
+            acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
+        if bias_ptr is not None:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = _activation(acc, ACTIVATION).to(y_desc.dtype)
+        if SUBTILE == 1:
+            y_desc.store([batch, off_m, off_n], tl.reshape(y, (1, BLOCK_M, BLOCK_N)))
+            if KEEP_PRE:
+                z_desc.store([batch, off_m, off_n], tl.reshape(acc.to(z_desc.dtype), (1, BLOCK_M, BLOCK_N)))
+        else:  # two column halves: half the shared-memory staging of a TMA store
+            HALF: tl.constexpr = BLOCK_N // 2
+            y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            y_desc.store([batch, off_m, off_n], tl.reshape(y0, (1, BLOCK_M, HALF)))
+            y_desc.store([batch, off_m, off_n + HALF], tl.reshape(y1, (1, BLOCK_M, HALF)))
+            if KEEP_PRE:
+                z = acc.to(z_desc.dtype)
+                z0, z1 = tl.split(tl.permute(tl.reshape(z, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+                z_desc.store([batch, off_m, off_n], tl.reshape(z0, (1, BLOCK_M, HALF)))
+                z_desc.store([batch, off_m, off_n + HALF], tl.reshape(z1, (1, BLOCK_M, HALF)))
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, y_ptr, z_ptr,  # a: [B, M, K], b: [B, K, N], any strides; y, z: [B, M, N] contiguous
+    bias_ptr,  # [N] or None
+    M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    ACTIVATION: tl.constexpr, KEEP_PRE: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Reads a [BLOCK_M, K] panel of a and a [K, BLOCK_N] panel of b, writes the tile of y (and z) once.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    batch, pid_m, pid_n = _tile_of(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+    batch = batch.to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge read row (column) 0 instead of being masked: the loads stay unmasked in M and
+    # N, and the stores below drop those rows and columns. Row offsets are 64-bit.
+    rows_in = tl.where(rows < M, rows, 0).to(tl.int64)
+    cols_in = tl.where(cols < N, cols, 0).to(tl.int64)
+    ks_in = ks.to(tl.int64)  # a transposed view's K stride is M: BLOCK_K·M may pass 2^31 too
+    a_ptrs = a_ptr + batch * stride_ab + rows_in[:, None] * stride_am + ks_in[None, :] * stride_ak
+    b_ptrs = b_ptr + batch * stride_bb + ks_in[:, None] * stride_bk + cols_in[None, :] * stride_bn
+    a_step = tl.full([], BLOCK_K, tl.int64) * stride_ak
+    b_step = tl.full([], BLOCK_K, tl.int64) * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            lhs = tl.load(a_ptrs)
+            rhs = tl.load(b_ptrs)
+        else:
+            lhs = tl.load(a_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
+            rhs = tl.load(b_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+        if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
+            lhs = lhs.to(tl.float32)
+            rhs = rhs.to(tl.float32)
+        acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
+        a_ptrs += a_step
+        b_ptrs += b_step
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = batch * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(y_ptr + out, _activation(acc, ACTIVATION).to(y_ptr.dtype.element_ty), mask=mask)
+    if KEEP_PRE:
+        tl.store(z_ptr + out, acc.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+# Backward of the epilogue, per element (the math of each derivative in the module docstring):
+#   tanh form: 1 − s is taken as e·s with e = e^(−2u) (no cancellation where s ≈ 1); where e overflows, s = 0 and
+#   1 − s = 1, so the product stays 0 instead of inf·0. erf form, 16-bit inputs: Φ from the cheap erfc form of
+#   geglu.py (error ≤ 3e-7, far below a 16-bit ulp), which keeps this memory-bound kernel off the issue limit.
+@triton.jit
+def _matmul_act_bwd_kernel(
+    dy_ptr, z_ptr, dz_ptr,  # dy, z: [R, N] rows of unit column stride; dz: [R, N] contiguous
+    R, N, stride_dy, stride_z,
+    ACTIVATION: tl.constexpr, FAST_CDF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Reads a tile of dy and z once, writes the tile of dz.
+    rows, cols, mask = _tile(R, N, BLOCK_M, BLOCK_N)
+    d = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == "relu":
+        g = tl.where(x > 0.0, d, 0.0)
+    elif ACTIVATION == "gelu":
+        if FAST_CDF:
+            cdf, e = _normal_cdf_fast(x)  # e = e^(−x²/2): φ(x) from the same exponential
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865475))
+            e = tl.exp(-0.5 * x * x)
+        g = d * (cdf + x * 0.3989422804014327 * e)
+    elif ACTIVATION == "gelu_tanh":
+        x2 = x * x
+        e = tl.exp(-1.5957691216057308 * (x + 0.044715 * x2 * x))
+        s = 1.0 / (1.0 + e)
+        one_minus_s = tl.where(s == 0.0, 1.0, e * s)
+        g = d * (s + x * s * one_minus_s * (1.5957691216057308 + 0.21406444881780076 * x2))
+    else:  # silu
+        s = tl.sigmoid(x)
+        g = d * s * (1.0 + x * (1.0 - s))
+    tl.store(dz_ptr + rows[:, None] * N + cols[None, :], g.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # row tiles per L2 group
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 1  # persistent TMA kernel: programs per multiprocessor
+    subtile: int = 1  # TMA kernel: the epilogue stores 1 or 2 column slices of the tile
+    flatten: bool = False  # TMA kernel: flatten tile and K loops into one pipelined loop
+
+
+def size_class(m: int, n: int) -> tuple[int, int]:
+    """(m_class, n_class) of a matmul with M rows and N columns per batch (see the module docstring)."""
+    return (0 if m <= 16 else 1 if m <= 128 else 2 if m <= 1024 else 3), (0 if n <= 1024 else 1)
+
+
+def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """Tile shape, warps and pipelining for [M, K] @ [K, N] of ``dtype`` on the H200 (sm_90).
+
+    Not yet measured there (chosen from what Hopper rewards): 16-bit inputs use wgmma tiles of 128×256 (8 warps,
+    two warpgroups, 3 stages of 48 KB + a 32 KB epilogue slice = 208 KB of the 227 KB of shared memory) for large
+    M and N, 128×128 with 4 stages where that leaves too few tiles to fill 132 multiprocessors, 64×128 for M ≤ 128
+    and 16-row tiles with long K steps for decode rows (bound by reading b: narrow column tiles spread it over more
+    multiprocessors). float32 (IEEE products on FMA units) takes 64×64 tiles.
+    """
+    m_class, n_class = size_class(m, n)
+    if interpreting():
+        # the interpreter runs programs one after another: few, large programs; 16 rows is tl.dot's minimum
+        bm = min(128, max(16, triton.next_power_of_2(m)))
+        bn = min(128, max(16, triton.next_power_of_2(n)))
+        bk = min(128, max(16, triton.next_power_of_2(k)))
+        return MatmulConfig(bm, bn, bk, 8, 4, 1, programs_per_sm=1, subtile=2 if bn >= 32 else 1)
+    if dtype == torch.float32:
+        if m_class == 0:
+            return MatmulConfig(16, 64, 64, 1, 4, 3)
+        return MatmulConfig(64, 64, 32, 8, 4, 3)
+    if m_class == 0:
+        return MatmulConfig(16, 32 if n <= 8192 else 64, 256, 1, 4, 4)
+    if m_class == 1:
+        return MatmulConfig(64, 128, 64, 8, 4, 4)
+    if m_class == 2 or n_class == 0:
+        return MatmulConfig(128, 128, 64, 8, 8, 4)
+    return MatmulConfig(128, 256, 64, 8, 8, 3, subtile=2)
+
+
+def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"matmul: cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul: a and b must share a dtype, got {a.dtype} and {b.dtype}")
+
+
+def _readable(t: Tensor) -> Tensor:
+    # The kernels read any strides, but only a view with a unit stride in one of its last two dims streams rows;
+    # anything else (a stepped slice, a broadcast) is copied once.
+    if t.stride(-1) == 1 or t.stride(-2) == 1:
+        return t
+    return t.contiguous()
+
+
+def _aligned(stride: int, size: int, element: int) -> int | None:
+    # A TMA stride must be a multiple of 16 bytes; the stride of a size-1 dim is never used and may be replaced.
+    if size == 1:
+        return 16 // element
+    return stride if (stride * element) % 16 == 0 else None
+
+
+def _descriptor(t: Tensor, block_rows: int, block_cols: int) -> tuple[TensorDescriptor, bool] | None:
+    """A TMA descriptor of the [B, R, C] view ``t`` for [1, block_rows, block_cols] tiles, and whether it is over
+    the transposed storage order [B, C, R]; None when the view's layout does not suit TMA."""
+    if t.data_ptr() % 16 != 0:
+        return None
+    nb, r, c = t.shape
+    sb, sr, sc = t.stride()
+    e = t.element_size()
+    transposed = not (sc == 1 or c == 1) and (sr == 1 or r == 1)
+    if transposed:
+        r, c, sr, sc, block_rows, block_cols = c, r, sc, sr, block_cols, block_rows
+    elif not (sc == 1 or c == 1):
+        return None
+    sb_, sr_ = _aligned(sb, nb, e), _aligned(sr, r, e)
+    if sb_ is None or sr_ is None or c * e < 16:
+        return None
+    return TensorDescriptor(t, [nb, r, c], [sb_, sr_, 1], [1, block_rows, block_cols]), transposed
+
+
+def matmul_fwd(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+) -> tuple[Tensor, Tensor | None]:
+    """a: [M, K] or [B, M, K], b: [K, N] or [B, K, N], bias: [N] or None -> (y, z or None), [.., M, N] contiguous.
+
+    y = act(a @ b + bias) in a's dtype; z = a @ b + bias in a's dtype when ``keep_pre`` and an activation is given.
+    """
+    _check(a, b, activation)
+    a3 = _readable(a) if a.dim() == 3 else _readable(a).unsqueeze(0)
+    b3 = _readable(b) if b.dim() == 3 else _readable(b).unsqueeze(0)
+    nb, m, k = a3.shape
+    n = b3.shape[2]
+    y = torch.empty((nb, m, n), dtype=a.dtype, device=a.device)
+    keep = keep_pre and activation is not None
+    z = torch.empty_like(y) if keep else None
+    out_shape = (*a.shape[:-1], n)
+    if y.numel() == 0:
+        return y.view(out_shape), None if z is None else z.view(out_shape)
+    if bias is not None:
+        bias = bias.contiguous()
+    act = activation or ""
+    upcast = interpreting() and a.dtype == torch.bfloat16
+    cfg = matmul_config(m, n, k, a.dtype)
+    tiles = nb * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    descs = None
+    if a.dtype in _TMA_DTYPES and k > 0:
+        half = cfg.block_n // cfg.subtile
+        descs = (
+            _descriptor(a3, cfg.block_m, cfg.block_k),
+            _descriptor(b3, cfg.block_k, cfg.block_n),
+            _descriptor(y, cfg.block_m, half),
+            _descriptor(z, cfg.block_m, half) if keep else (None, False),
+        )
+        if any(d is None for d in descs) or descs[2][1]:
+            descs = None
+    if descs is not None:
+        (a_desc, a_t), (b_desc, b_t), (y_desc, _), (z_desc, _) = descs
+        programs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
+        _matmul_tma_kernel[(programs,)](
+            a_desc, b_desc, y_desc, z_desc if keep else y_desc, bias, m, n, k, nb,
+            A_T=a_t, B_T=b_t, ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        _matmul_kernel[(tiles,)](
+            a3, b3, y, z if keep else y, bias, m, n, k,
+            a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
+            ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast, EVEN_K=k % cfg.block_k == 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y.view(out_shape), None if z is None else z.view(out_shape)
+
+
+def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
+    """dy, z: [.., M, N] -> dz = dy·act'(z) in dy's dtype, [.., M, N] contiguous."""
+    if activation not in ACTIVATIONS[1:]:
+        raise ValueError(f"matmul_act_bwd: activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
+    n = z.shape[-1]
+    dy2 = dy.reshape(-1, n)
+    z2 = z.reshape(-1, n)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    if z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    r = z2.shape[0]
+    dz = torch.empty((r, n), dtype=dy.dtype, device=dy.device)
+    if dz.numel() == 0:
+        return dz.view(z.shape)
+    s = launch_settings(r, n, dy.device)
+    _matmul_act_bwd_kernel[(s.programs,)](
+        dy2, z2, dz, r, n, dy2.stride(0), z2.stride(0),
+        ACTIVATION=activation, FAST_CDF=dy.dtype != torch.float32,
+        BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
+    )
+    return dz.view(z.shape)
