@@ -96,6 +96,32 @@ def _round_bf16_like_the_gpu() -> None:
     # the lambdas that route integer and float casts through cast_impl look it up on the instance: no change
 
 
+def _widen_bf16_dots() -> None:
+    """Triton's interpreter (3.6-3.9) keeps bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as
+    integers (errors ~1e10). A GPU's bf16 MMA multiplies exactly and accumulates in float32: widening both operands
+    to float32 (exact: a bf16 is the high half of a float32) gives the same products."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_hkernels", False):
+        return
+    integer_dot = builder.create_dot
+
+    def widen(x: Any) -> Any:
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        bits = np.ascontiguousarray(x.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+        return integer_dot(self, widen(a), widen(b), d, *args)
+
+    create_dot._hkernels = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot  # type: ignore[method-assign]
+
+
 def setup() -> None:
     """Prepare the process for interpret mode when ``HKERNELS_INTERPRET=1``; do nothing otherwise."""
     if not enabled():
@@ -111,6 +137,7 @@ def setup() -> None:
     except ImportError:  # no triton: the kernel backends are unavailable anyway
         return
     _round_bf16_like_the_gpu()
+    _widen_bf16_dots()
     if not isinstance(triton_compat.libdevice, _LibdeviceProxy):
         triton_compat.libdevice = _LibdeviceProxy("libdevice")
     try:

@@ -25,7 +25,10 @@ head) holds its K/V tile and dk, dv accumulators in registers and walks the quer
 its group, recomputing p from lse: no S×Skv matrix is ever stored; (3) dq either by float32 atomics from the
 same walk into a zeroed [B, Hq, S, D] buffer (5 matmuls per tile, summation order not fixed: dq may differ in the
 last bits from run to run), or by a separate kernel over query blocks that recomputes s and dp (7 matmuls per
-tile, bitwise deterministic). ``attention_settings`` picks; dk and dv are deterministic either way.
+tile, bitwise deterministic; used under ``torch.use_deterministic_algorithms(True)``). dk and dv are
+deterministic either way. Matmul FLOPs: 2.5× the forward's with dq atomics, 3.5× with the dq kernel; bytes: k, v
+read once, q and do once per key block (mostly from L2: key blocks of a head run side by side), dk, dv written
+once; the atomics add a [BLOCK_M, D] float32 tile into L2 per step (the zeroed dq buffer: 4·B·Hq·S·D bytes).
 
 Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
 when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
@@ -236,25 +239,29 @@ def _attention_bwd_delta_kernel(
 def _attention_bwd_dkdv_inner(
     dk, dv, k_tile, v_tile,  # dk, dv [BLOCK_N, D] float32 accumulators; this program's K and V tiles
     q, do, lse_ptr, delta_ptr, dq_ptr,
-    b, h, bh, n0, lo, n_steps, shift, S, Skv, qk_scale, scale,
+    b, hk, GROUP, Hq, n0, lo, n_steps, shift, S, Skv, qk_scale, scale,
     stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    # Walks n_steps query blocks from row lo (in the order shifted by `shift`, so that programs of one head
-    # start at different blocks and their dq atomics do not pile onto the same rows). Per block: reads q, do
-    # (BLOCK_M rows), lse, delta; adds to dk, dv; with DQ_ATOMIC adds ds·k to the float32 dq rows.
+    # Walks n_steps query blocks from row lo, for each of the GROUP query heads of kv head hk, in one flat loop
+    # (one software pipeline, no nested loop state). Within a head the blocks start at `shift`, so that programs
+    # of one head start at different blocks and their dq atomics do not pile onto the same rows. Per block:
+    # reads q, do (BLOCK_M rows), lse, delta; adds to dk, dv; with DQ_ATOMIC adds ds·k to the float32 dq rows.
     # Scores are computed transposed, sᵀ = k·qᵀ [BLOCK_N, BLOCK_M], so that dv += pᵀ·do and dk += dsᵀ·q need
     # no transposition. MASK: keep keys j < Skv (and j ≤ i if CAUSAL); without it, keys past Skv (zero rows of
     # k, v) still get finite p, whose dk, dv rows are never stored, and their zero k rows add 0 to dq.
     cols = n0 + tl.arange(0, BLOCK_N)
-    for t in range(0, n_steps):
-        m0 = lo + ((t + shift) % n_steps) * BLOCK_M
+    for t in range(0, GROUP * n_steps):
+        g = t // n_steps
+        h = hk * GROUP + g
+        m0 = lo + ((t - g * n_steps + shift) % n_steps) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
+        row_off = (b * Hq + h).to(tl.int64) * S + rows  # into [B, Hq, S]
         q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
         # Rows past S: lse = +inf makes their p zero.
-        lse2 = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(lse_ptr + row_off, mask=rows < S, other=float("inf")) * 1.4426950408889634
         s_t = _dot(k_tile, tl.trans(q_tile), None, DOT)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
@@ -264,14 +271,14 @@ def _attention_bwd_dkdv_inner(
             p_t = tl.where(keep, p_t, 0.0)
         do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA)
         dv = _dot(p_t.to(do_tile.dtype), do_tile, dv, DOT)
-        delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=0.0)
+        delta = tl.load(delta_ptr + row_off, mask=rows < S, other=0.0)
         dp_t = _dot(v_tile, tl.trans(do_tile), None, DOT)
         # ds prescaled by `scale` (delta already is): dk and dq need no scaling afterwards.
         ds_t = (p_t * (dp_t * scale - delta[None, :])).to(q_tile.dtype)
         dk = _dot(ds_t, q_tile, dk, DOT)
         if DQ_ATOMIC:
             dq_part = _dot(tl.trans(ds_t), k_tile, None, DOT)
-            ptrs = dq_ptr + (bh.to(tl.int64) * S + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+            ptrs = dq_ptr + row_off[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
             tl.atomic_add(ptrs, dq_part, mask=(rows < S)[:, None], sem="relaxed")
     return dk, dv
 
@@ -302,44 +309,41 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     Hq = Hk * GROUP
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
-        bh = b * Hq + h
-        if CAUSAL:
-            # The diagonal query blocks (BLOCK_N is a multiple of BLOCK_M): key j ≤ query i, j < Skv.
-            n_diag = tl.cdiv(tl.minimum(n0 + BLOCK_N, S) - n0, BLOCK_M)
+    if CAUSAL:
+        # The diagonal query blocks (BLOCK_N is a multiple of BLOCK_M): key j ≤ query i, j < Skv.
+        n_diag = tl.cdiv(tl.minimum(n0 + BLOCK_N, S) - n0, BLOCK_M)
+        dk, dv = _attention_bwd_dkdv_inner(
+            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            b, hk, GROUP, Hq, n0, n0, n_diag, 0, S, Skv, qk_scale, scale,
+            stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
+        )
+        # Below the diagonal every score is kept (a key block reaching past Skv = S has nothing below).
+        lo = n0 + BLOCK_N
+        dk, dv = _attention_bwd_dkdv_inner(
+            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            b, hk, GROUP, Hq, n0, lo, tl.cdiv(tl.maximum(S - lo, 0), BLOCK_M), 0, S, Skv, qk_scale, scale,
+            stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, DQ_ATOMIC, TMA, DOT,
+        )
+    else:
+        n_m = tl.cdiv(S, BLOCK_M)
+        if n0 + BLOCK_N <= Skv:
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                b, h, bh, n0, n0, n_diag, 0, S, Skv, qk_scale, scale,
-                stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
-            )
-            # Below the diagonal every score is kept (a key block reaching past Skv = S has nothing below).
-            lo = n0 + BLOCK_N
-            dk, dv = _attention_bwd_dkdv_inner(
-                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                b, h, bh, n0, lo, tl.cdiv(tl.maximum(S - lo, 0), BLOCK_M), 0, S, Skv, qk_scale, scale,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
                 stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
                 BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, DQ_ATOMIC, TMA, DOT,
             )
         else:
-            n_m = tl.cdiv(S, BLOCK_M)
-            if n0 + BLOCK_N <= Skv:
-                dk, dv = _attention_bwd_dkdv_inner(
-                    dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                    b, h, bh, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
-                    stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, DQ_ATOMIC, TMA, DOT,
-                )
-            else:
-                # The partial last key block: keys past Skv are masked, so that a very negative lse cannot
-                # make their p overflow (and 0·inf reach dq).
-                dk, dv = _attention_bwd_dkdv_inner(
-                    dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                    b, h, bh, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
-                    stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
-                )
+            # The partial last key block: keys past Skv are masked, so that a very negative lse cannot make
+            # their p overflow (and 0·inf reach dq).
+            dk, dv = _attention_bwd_dkdv_inner(
+                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
+                stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+                BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
+            )
     _store_tile(dk_out, dk.to(k_tile.dtype), b, hk, n0, Skv, stride_gb, stride_gh, stride_gs,
                 BLOCK_N, HEAD_DIM, TMA)
     _store_tile(dv_out, dv.to(v_tile.dtype), b, hk, n0, Skv, stride_gb, stride_gh, stride_gs,
@@ -442,34 +446,43 @@ class AttentionSettings:
 
 def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> AttentionSettings:
     """Launch settings for one kernel: ``kernel`` is "fwd", "dkdv" (backward over key blocks) or "dq" (backward
-    over query blocks, used only when the dkdv settings say ``dq_atomic=False``); "delta" has no settings.
+    over query blocks, run only when the dkdv settings say ``dq_atomic=False``); the delta pre-pass has fixed
+    settings. The same for causal and not. dq comes by atomics unless ``torch.use_deterministic_algorithms(True)``
+    is in force; then it comes from the separate, bitwise reproducible dq kernel.
 
     Interpreter (CPU): programs run one after another, numpy does the tile math; small tiles with BLOCK_M ≠
-    BLOCK_N keep a [1, 2, 100, 64] test to a fraction of a second and exercise every loop (full blocks, tails,
-    diagonal split).
+    BLOCK_N keep a [1, 2, 100, 64] test under a second and exercise every loop (full blocks, tails, diagonal).
 
-    H200 (sm_90), chosen by reasoning and the sm_90 compile check (no register spills; shared memory under
-    227 KB), NOT yet measured there:
-    - fwd: BLOCK_M 128 (two warpgroups of 64 rows for D = 128; one for D ≤ 64), BLOCK_N 64 (the [128, 64] float32
-      scores plus the [128, D] accumulator fit the registers), 3 stages of K/V in flight.
-    - dkdv: BLOCK_N 128 key rows own dk, dv accumulators ([128, D] float32 each, the largest register cost),
-      BLOCK_M 64 query rows a step; dq by atomics (5 matmuls a tile instead of 7, as FA2 does).
-    - dq: BLOCK_M 128, BLOCK_N 64, as the forward.
-    float32 (tests only) halves the key block, since its tiles take twice the shared memory.
+    H200 (sm_90, bf16/fp16), chosen by reasoning and the sm_90 compile check (ptxas: no register spills for D = 16
+    to 128, causal or not, GQA or not, TMA or pointer loads; shared memory ≤ 165 KB of 227), NOT yet measured:
+    - fwd: BLOCK_M 128 query rows (one warpgroup per 64 rows at D = 128: 8 warps; 4 at D ≤ 64), BLOCK_N 64 (the
+      [128, 64] float32 scores beside the [128, D] accumulator: 143 registers at D = 128, 191 at D = 64),
+      3 stages of K/V in flight (132 KB at D = 128).
+    - dkdv: BLOCK_M 64 query rows a step; the key block holds dk, dv ([BLOCK_N, D] float32 each, the largest
+      register cost): 128 rows at D ≤ 64, 64 at D = 128 with dq atomics (128 rows spill there: 255 registers and
+      200+ bytes of stack), 128 without them. 8 warps, 2 stages.
+    - dq (deterministic mode): BLOCK_M 128, BLOCK_N 64, as the forward.
+    float32 (tests only) multiplies without tensor cores (true float32 products): small tiles; ptxas spills there.
     """
     if kernel not in ("fwd", "dkdv", "dq"):
         raise ValueError(f"attention_settings: kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")
+    atomic = not torch.are_deterministic_algorithms_enabled()
     if interpreting():
         if kernel == "dkdv":
-            return AttentionSettings(32, 64, 4, 1)
+            return AttentionSettings(32, 64, 4, 1, dq_atomic=atomic)
         return AttentionSettings(64, 32, 4, 1)
     wide = head_dim >= 128
-    f32 = dtype == torch.float32
+    if dtype == torch.float32:  # no tensor cores (true float32 products): small tiles, correctness only
+        if kernel == "dkdv":
+            return AttentionSettings(32, 64, 8, 2, dq_atomic=atomic)
+        return AttentionSettings(64, 32, 8, 2)
     if kernel == "fwd":
-        return AttentionSettings(128, 32 if f32 else 64, 8 if wide else 4, 2 if f32 else 3)
+        return AttentionSettings(128, 64, 8 if wide else 4, 3)
     if kernel == "dkdv":
-        return AttentionSettings(32 if f32 else 64, 128, 8, 2)
-    return AttentionSettings(128, 32 if f32 else 64, 8 if wide else 4, 2 if f32 else 3)
+        if not atomic:  # without the dq tile, 128 key rows fit the registers at D = 128 too
+            return AttentionSettings(64, 128, 8, 2, dq_atomic=False)
+        return AttentionSettings(64, 64 if wide else 128, 8, 2)
+    return AttentionSettings(128, 64, 8 if wide else 4, 3)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int, int, int, int]:
@@ -492,14 +505,19 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
-    """TMA descriptors (Hopper and later, or the interpreter) need 16-byte aligned bases and strides."""
+    """TMA descriptors (Hopper and later, or the interpreter) need 16-byte aligned bases and strides; a stride of
+    0 (an expanded gradient) goes through pointers. Dims of size 1 are never stepped: their stride is free."""
     if TensorDescriptor is None:
         return False
     dev = tensors[0].device
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
         return False
+    def aligned(n: int, st: int, size: int) -> bool:
+        return n == 1 or (st > 0 and st * size % 16 == 0)
+
     return all(
-        t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+        t.data_ptr() % 16 == 0
+        and all(aligned(n, st, t.element_size()) for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True))
         for t in tensors
     )
 
@@ -508,7 +526,9 @@ def _arg(t: Tensor, rows: int, tma: bool) -> Tensor | TensorDescriptor:
     """``t`` [B, H, S, D] as the kernel reads it: a TMA descriptor with boxes of [1, 1, rows, D], or itself."""
     if not tma:
         return t
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[3]])
+    # The stride of a size-1 dim is never used: any aligned value will do.
+    strides = [st if n > 1 else t.shape[3] for n, st in zip(t.shape[:3], t.stride()[:3], strict=True)] + [1]
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, rows, t.shape[3]])
 
 
 def _dot_mode(dtype: torch.dtype) -> str:

@@ -2,8 +2,9 @@
 
 Math, with float32 accumulation whatever the input dtype (float32 inputs use IEEE products, no tf32):
   z = a @ b + bias,   y = act(z),   act in {none, relu, gelu (erf), gelu_tanh, silu}
-  relu(z) = max(z, 0);  gelu(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
+  relu(z) = max(z, 0);  gelu(z) = z·Φ(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
   = z·σ(2u) with u = √(2/π)·(z + 0.044715·z³) (no tanh, no overflow);  silu(z) = z·σ(z).
+  Φ is evaluated as ½·erfc(−z/√2) from a Chebyshev fit of erfc (relative error < 1.2e-7, see ``_activation``).
 The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
 Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
   relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
@@ -14,20 +15,20 @@ Shapes: a [M, K] or [B, M, K]; b [K, N] or [B, K, N] (same B); bias [N] of any f
 contiguous in a's dtype. a and b may be any strided views; when one of the last two strides is 1 (row-major, or a
 transposed view such as ``weight.t()``) they are read in place. Bytes for b-byte elements: reads M·K·b once per
 column tile of y and K·N·b once per row tile (L2 serves most repeats: tiles run in L2-swizzled groups of GROUP_M
-row tiles), writes M·N·b (twice with z). FLOPs: 2·B·M·N·K.
+row tiles), writes M·N·b (twice with z). FLOPs: 2·B·M·N·K. The backward kernel reads dy and z and writes dz once.
 
-Two kernels, one tile loop body:
-- ``_matmul_tma_kernel`` (16-bit inputs whose strides suit TMA: 16-byte aligned base and non-unit strides): a
-  persistent grid of ``programs_per_sm`` programs per multiprocessor walks the B·⌈M/BM⌉·⌈N/BN⌉ tiles in grouped
-  order. a, b, y (and z) are read and written through host-built rank-3 TMA descriptors ([B, rows, cols] with a
-  unit last stride; a transposed view gets a descriptor of its storage order and its tile is transposed in
-  registers, which wgmma reads from shared memory either way). TMA zero-fills reads past M, N, K and clips writes,
-  so no masks; 128×256 tiles store their epilogue in ``subtile`` column slices to keep the staging buffer small.
-- ``_matmul_kernel`` (float32, unaligned strides, odd N): one program per tile, pointer loads with 64-bit row
-  offsets (M·K or M·N may pass 2^31 elements), masks only on the edges.
+Two kernels:
+- ``_matmul_tma_kernel`` (16-bit operands whose layouts suit TMA: 16-byte aligned base and strides, N a multiple
+  of 8): a persistent grid of ``programs_per_sm`` programs per multiprocessor walks the B·⌈M/BM⌉·⌈N/BN⌉ tiles in
+  grouped order. a, b, y (and z) are read and written through host-built rank-3 TMA descriptors ([B, rows, cols]
+  with a unit last stride; a transposed view gets a descriptor of its storage order and its tile is transposed,
+  which wgmma reads from shared memory either way). TMA zero-fills reads past M, N, K and clips writes, so there
+  are no masks; wide tiles finish their epilogue in ``subtile`` column slices.
+- ``_matmul_kernel`` (float32, unaligned strides, K = 0): one program per tile, pointer loads with 64-bit offsets
+  (M·K or M·N may pass 2^31 elements), masks only where K ends inside a step.
 
-Launch settings (``matmul_config``) are chosen by the same classes as the Helion configs: m_class 0: M ≤ 16 (decode
-rows), 1: M ≤ 128, 2: M ≤ 1024, 3: larger; n_class 0: N ≤ 1024, 1: larger; float32 apart (FMA, not tensor cores).
+Launch settings (``matmul_config``) are chosen by tile class, as the Helion configs' keys are: 0 for decode rows
+(M ≤ 16), else the largest of 64×64, 64×128, 128×128, 128×256 tiles that still fills the GPU for one wave.
 """
 
 from __future__ import annotations
@@ -54,9 +55,19 @@ _TMA_DTYPES = (torch.bfloat16, torch.float16)
 def _activation(z, ACTIVATION: tl.constexpr):
     # act(z) on a float32 tile; ACTIVATION is a compile-time string ("" for none).
     if ACTIVATION == "relu":
-        return tl.maximum(z, 0.0)
+        return tl.where(z < 0.0, 0.0, z)  # NaN stays NaN, as torch.relu
     elif ACTIVATION == "gelu":
-        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865475))
+        # z·Φ(z), Φ(z) = ½·erfc(−z/√2), with erfc(x) = t·exp(−x² + P(t)), t = 1/(1 + x/2), x = |z|/√2 ≥ 0 (the
+        # Chebyshev fit of Numerical Recipes' erfcc, relative error < 1.2e-7 for all x ≥ 0); for z ≥ 0, Φ = 1 − ½·erfc.
+        # Straight-line FMAs and one exp: libdevice's erf made the 128×256 epilogue spill registers, and
+        # ½·(1 + erf(z/√2)) cancels for z < −3, where this form keeps its relative accuracy.
+        x = tl.abs(z) * 0.7071067811865475
+        t = 1.0 / (1.0 + 0.5 * x)
+        p = -0.82215223 + t * 0.17087277
+        p = 0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * p))
+        p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * p))))
+        half_tail = 0.5 * t * tl.exp(p - x * x)
+        return z * tl.where(z >= 0.0, 1.0 - half_tail, half_tail)
     elif ACTIVATION == "gelu_tanh":
         return z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
     elif ACTIVATION == "silu":
@@ -80,6 +91,19 @@ def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(acc, bias_ptr, y_desc, z_desc, batch, off_m, off_n, N, ACTIVATION: tl.constexpr, KEEP_PRE: tl.constexpr):
+    # z = acc + bias, y = act(z) for a [rows, cols] slice of a tile at (off_m, off_n); stores y (and z) by TMA.
+    rows: tl.constexpr = acc.shape[0]
+    cols: tl.constexpr = acc.shape[1]
+    if bias_ptr is not None:
+        offs = off_n + tl.arange(0, cols)
+        acc += tl.load(bias_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)[None, :]
+    if KEEP_PRE:
+        z_desc.store([batch, off_m, off_n], tl.reshape(acc.to(z_desc.dtype), (1, rows, cols)))
+    y_desc.store([batch, off_m, off_n], tl.reshape(_activation(acc, ACTIVATION).to(y_desc.dtype), (1, rows, cols)))
+
+
+@triton.jit
 def _matmul_tma_kernel(
     a_desc, b_desc, y_desc, z_desc,  # rank-3 TMA descriptors: a, b in storage order (see A_T, B_T); y, z [B, M, N]
     bias_ptr,  # [N] or None
@@ -94,6 +118,10 @@ def _matmul_tma_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tiles_m * tiles_n * BATCH
     k_steps = tl.cdiv(K, BLOCK_K)
+    # The epilogue finds its tile from a counter of its own, not from the loads' offsets: with FLATTEN the next
+    # tile's loads are software-pipelined into this tile's iterations, and a value used both by the loads of one
+    # tile and the epilogue of another is what Triton's persistent-matmul tutorial keeps apart for its pipeliner.
+    tile_c = tl.program_id(0) - NUM_PROGRAMS
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=FLATTEN):
         batch, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -113,24 +141,29 @@ def _matmul_tma_kernel(
                 lhs = lhs.to(tl.float32)
                 rhs = rhs.to(tl.float32)
             acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
-        if bias_ptr is not None:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        y = _activation(acc, ACTIVATION).to(y_desc.dtype)
+        tile_c += NUM_PROGRAMS
+        batch, pid_m, pid_n = _tile_of(tile_c, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         if SUBTILE == 1:
-            y_desc.store([batch, off_m, off_n], tl.reshape(y, (1, BLOCK_M, BLOCK_N)))
-            if KEEP_PRE:
-                z_desc.store([batch, off_m, off_n], tl.reshape(acc.to(z_desc.dtype), (1, BLOCK_M, BLOCK_N)))
-        else:  # two column halves: half the shared-memory staging of a TMA store
+            _epilogue(acc, bias_ptr, y_desc, z_desc, batch, off_m, off_n, N, ACTIVATION, KEEP_PRE)
+        else:
+            # Column slices, each finished (bias, activation, stores) before the next: a quarter or half of the
+            # epilogue's registers and of the TMA store staging buffer; gelu with z spills at 128×256 otherwise.
             HALF: tl.constexpr = BLOCK_N // 2
-            y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-            y_desc.store([batch, off_m, off_n], tl.reshape(y0, (1, BLOCK_M, HALF)))
-            y_desc.store([batch, off_m, off_n + HALF], tl.reshape(y1, (1, BLOCK_M, HALF)))
-            if KEEP_PRE:
-                z = acc.to(z_desc.dtype)
-                z0, z1 = tl.split(tl.permute(tl.reshape(z, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-                z_desc.store([batch, off_m, off_n], tl.reshape(z0, (1, BLOCK_M, HALF)))
-                z_desc.store([batch, off_m, off_n + HALF], tl.reshape(z1, (1, BLOCK_M, HALF)))
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            if SUBTILE == 2:
+                _epilogue(acc0, bias_ptr, y_desc, z_desc, batch, off_m, off_n, N, ACTIVATION, KEEP_PRE)
+                _epilogue(acc1, bias_ptr, y_desc, z_desc, batch, off_m, off_n + HALF, N, ACTIVATION, KEEP_PRE)
+            else:
+                QUARTER: tl.constexpr = BLOCK_N // 4
+                acc00, acc01 = tl.split(tl.permute(tl.reshape(acc0, (BLOCK_M, 2, QUARTER)), (0, 2, 1)))
+                _epilogue(acc00, bias_ptr, y_desc, z_desc, batch, off_m, off_n, N, ACTIVATION, KEEP_PRE)
+                _epilogue(acc01, bias_ptr, y_desc, z_desc, batch, off_m, off_n + QUARTER, N, ACTIVATION, KEEP_PRE)
+                acc10, acc11 = tl.split(tl.permute(tl.reshape(acc1, (BLOCK_M, 2, QUARTER)), (0, 2, 1)))
+                _epilogue(acc10, bias_ptr, y_desc, z_desc, batch, off_m, off_n + HALF, N, ACTIVATION, KEEP_PRE)
+                _epilogue(acc11, bias_ptr, y_desc, z_desc, batch, off_m, off_n + HALF + QUARTER, N, ACTIVATION,
+                          KEEP_PRE)
 
 
 @triton.jit
@@ -226,42 +259,56 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 1  # persistent TMA kernel: programs per multiprocessor
-    subtile: int = 1  # TMA kernel: the epilogue stores 1 or 2 column slices of the tile
+    subtile: int = 1  # TMA kernel: the epilogue stores 1, 2 or 4 column slices of the tile
     flatten: bool = False  # TMA kernel: flatten tile and K loops into one pipelined loop
 
 
-def size_class(m: int, n: int) -> tuple[int, int]:
-    """(m_class, n_class) of a matmul with M rows and N columns per batch (see the module docstring)."""
-    return (0 if m <= 16 else 1 if m <= 128 else 2 if m <= 1024 else 3), (0 if n <= 1024 else 1)
+def tile_class(m: int, n: int, batch: int, sms: int) -> int:
+    """0 for decode rows (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that
+    still gives about a full wave (≥ 0.9·sms tiles), 1 when none does. Shared with the Helion configs' keys."""
+    if m <= 16:
+        return 0
+    for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):
+        if batch * -(-m // bm) * -(-n // bn) >= 0.9 * sms:
+            return cls
+    return 1
 
 
-def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
-    """Tile shape, warps and pipelining for [M, K] @ [K, N] of ``dtype`` on the H200 (sm_90).
+# 16-bit inputs, per tile class; the pointer kernel takes at most class 3 (128×256 spills there: address tensors)
+_CONFIGS = {
+    0: MatmulConfig(16, 32, 256, 1, 4, 4),
+    1: MatmulConfig(64, 64, 64, 8, 4, 4, programs_per_sm=2, flatten=True),
+    2: MatmulConfig(64, 128, 64, 8, 4, 4, flatten=True),
+    3: MatmulConfig(128, 128, 64, 8, 8, 4, flatten=True),
+    4: MatmulConfig(128, 256, 64, 8, 8, 4, subtile=4, flatten=True),
+}
 
-    Not yet measured there (chosen from what Hopper rewards): 16-bit inputs use wgmma tiles of 128×256 (8 warps,
-    two warpgroups, 3 stages of 48 KB + a 32 KB epilogue slice = 208 KB of the 227 KB of shared memory) for large
-    M and N, 128×128 with 4 stages where that leaves too few tiles to fill 132 multiprocessors, 64×128 for M ≤ 128
-    and 16-row tiles with long K steps for decode rows (bound by reading b: narrow column tiles spread it over more
-    multiprocessors). float32 (IEEE products on FMA units) takes 64×64 tiles.
+
+def matmul_config(m: int, n: int, k: int, batch: int, dtype: torch.dtype, sms: int, tma: bool) -> MatmulConfig:
+    """Tile shape, warps and pipelining for B × [M, K] @ [K, N] of ``dtype`` on the H200 (sm_90, ``sms`` = 132).
+
+    Not yet measured there; chosen from what Hopper rewards and checked to compile without spills (cuobjdump):
+    - class 4 (large M and N): 128×256×64 wgmma tiles, 8 warps (two warpgroups), 4 stages of 48 KB, the epilogue
+      in four 128×64 column slices (16 KB of TMA staging: 208 KB of the 227 KB of shared memory; a whole-tile
+      epilogue of gelu with z needs more than 255 registers a thread), tile and K loops flattened so that the
+      next tile's loads overlap this one's epilogue. 162-170 registers.
+    - classes 3-1 (fewer rows or columns): 128×128, 64×128, 64×64 tiles, whichever still fills the GPU.
+    - class 0 (M ≤ 16, decode rows, bound by reading b): 16×32 tiles with 256-wide K steps, so that even N = 4096
+      spreads over 128 programs.
+    - float32 (IEEE products on FMA units, not tensor cores): 64×64×32.
     """
-    m_class, n_class = size_class(m, n)
+    cls = tile_class(m, n, batch, sms)
     if interpreting():
         # the interpreter runs programs one after another: few, large programs; 16 rows is tl.dot's minimum
         bm = min(128, max(16, triton.next_power_of_2(m)))
         bn = min(128, max(16, triton.next_power_of_2(n)))
         bk = min(128, max(16, triton.next_power_of_2(k)))
-        return MatmulConfig(bm, bn, bk, 8, 4, 1, programs_per_sm=1, subtile=2 if bn >= 32 else 1)
+        return MatmulConfig(bm, bn, bk, 8, 4, 1, subtile=4 if bn >= 64 else 2 if bn >= 32 else 1)
     if dtype == torch.float32:
-        if m_class == 0:
-            return MatmulConfig(16, 64, 64, 1, 4, 3)
-        return MatmulConfig(64, 64, 32, 8, 4, 3)
-    if m_class == 0:
-        return MatmulConfig(16, 32 if n <= 8192 else 64, 256, 1, 4, 4)
-    if m_class == 1:
-        return MatmulConfig(64, 128, 64, 8, 4, 4)
-    if m_class == 2 or n_class == 0:
-        return MatmulConfig(128, 128, 64, 8, 8, 4)
-    return MatmulConfig(128, 256, 64, 8, 8, 3, subtile=2)
+        return MatmulConfig(16, 64, 64, 1, 4, 3) if cls == 0 else MatmulConfig(64, 64, 32, 8, 4, 3)
+    if not tma:
+        cls = min(cls, 3)
+    return _CONFIGS[cls]
 
 
 def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
@@ -275,36 +322,37 @@ def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
 
 def _readable(t: Tensor) -> Tensor:
     # The kernels read any strides, but only a view with a unit stride in one of its last two dims streams rows;
-    # anything else (a stepped slice, a broadcast) is copied once.
+    # anything else (a stepped slice, a broadcast row) is copied once.
     if t.stride(-1) == 1 or t.stride(-2) == 1:
         return t
     return t.contiguous()
 
 
-def _aligned(stride: int, size: int, element: int) -> int | None:
-    # A TMA stride must be a multiple of 16 bytes; the stride of a size-1 dim is never used and may be replaced.
+def _tma_stride(stride: int, size: int, element: int) -> int | None:
+    # A TMA stride must be a positive multiple of 16 bytes; the stride of a size-1 dim is never used and may be
+    # replaced.
     if size == 1:
         return 16 // element
-    return stride if (stride * element) % 16 == 0 else None
+    return stride if stride > 0 and (stride * element) % 16 == 0 else None
 
 
-def _descriptor(t: Tensor, block_rows: int, block_cols: int) -> tuple[TensorDescriptor, bool] | None:
-    """A TMA descriptor of the [B, R, C] view ``t`` for [1, block_rows, block_cols] tiles, and whether it is over
-    the transposed storage order [B, C, R]; None when the view's layout does not suit TMA."""
-    if t.data_ptr() % 16 != 0:
+def _tma_layout(t: Tensor) -> tuple[list[int], list[int], bool] | None:
+    """Shape and strides of a TMA descriptor over the [B, R, C] view ``t`` and whether it is over the transposed
+    storage order [B, C, R] (a view with unit row stride); None when the view does not suit TMA."""
+    if t.dtype not in _TMA_DTYPES or t.data_ptr() % 16 != 0:
         return None
     nb, r, c = t.shape
     sb, sr, sc = t.stride()
     e = t.element_size()
     transposed = not (sc == 1 or c == 1) and (sr == 1 or r == 1)
     if transposed:
-        r, c, sr, sc, block_rows, block_cols = c, r, sc, sr, block_cols, block_rows
+        r, c, sr = c, r, sc
     elif not (sc == 1 or c == 1):
         return None
-    sb_, sr_ = _aligned(sb, nb, e), _aligned(sr, r, e)
-    if sb_ is None or sr_ is None or c * e < 16:
+    sb, sr = _tma_stride(sb, nb, e), _tma_stride(sr, r, e)
+    if sb is None or sr is None or c * e < 16:
         return None
-    return TensorDescriptor(t, [nb, r, c], [sb_, sr_, 1], [1, block_rows, block_cols]), transposed
+    return [nb, r, c], [sb, sr, 1], transposed
 
 
 def matmul_fwd(
@@ -329,24 +377,23 @@ def matmul_fwd(
         bias = bias.contiguous()
     act = activation or ""
     upcast = interpreting() and a.dtype == torch.bfloat16
-    cfg = matmul_config(m, n, k, a.dtype)
+    layouts = [_tma_layout(t) for t in (a3, b3, y)]
+    # TMA needs every operand in a suitable layout (y's rows: N a multiple of 8 elements), and K > 0
+    tma = k > 0 and all(lay is not None for lay in layouts) and not layouts[2][2]
+    sms = num_sms(a.device)
+    cfg = matmul_config(m, n, k, nb, a.dtype, sms, tma)
     tiles = nb * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    descs = None
-    if a.dtype in _TMA_DTYPES and k > 0:
-        half = cfg.block_n // cfg.subtile
-        descs = (
-            _descriptor(a3, cfg.block_m, cfg.block_k),
-            _descriptor(b3, cfg.block_k, cfg.block_n),
-            _descriptor(y, cfg.block_m, half),
-            _descriptor(z, cfg.block_m, half) if keep else (None, False),
-        )
-        if any(d is None for d in descs) or descs[2][1]:
-            descs = None
-    if descs is not None:
-        (a_desc, a_t), (b_desc, b_t), (y_desc, _), (z_desc, _) = descs
-        programs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
+    if tma:
+        (a_shape, a_strides, a_t), (b_shape, b_strides, b_t), (y_shape, y_strides, _) = layouts
+        a_block = [1, cfg.block_k, cfg.block_m] if a_t else [1, cfg.block_m, cfg.block_k]
+        b_block = [1, cfg.block_n, cfg.block_k] if b_t else [1, cfg.block_k, cfg.block_n]
+        out_block = [1, cfg.block_m, cfg.block_n // cfg.subtile]
+        y_desc = TensorDescriptor(y, y_shape, y_strides, out_block)
+        programs = max(1, min(tiles, sms * cfg.programs_per_sm))
         _matmul_tma_kernel[(programs,)](
-            a_desc, b_desc, y_desc, z_desc if keep else y_desc, bias, m, n, k, nb,
+            TensorDescriptor(a3, a_shape, a_strides, a_block), TensorDescriptor(b3, b_shape, b_strides, b_block),
+            y_desc, TensorDescriptor(z, y_shape, y_strides, out_block) if keep else y_desc,
+            bias, m, n, k, nb,
             A_T=a_t, B_T=b_t, ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, NUM_PROGRAMS=programs,

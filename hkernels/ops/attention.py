@@ -13,9 +13,12 @@ are not). Softmax runs in base 2 (exp2 of scores pre-multiplied by log2 e), floa
 to the input dtype for their matmuls, as every flash kernel does.
 
 Work and traffic, N = B·Hq·S·Skv score elements (half of them when causal):
-- forward: 4·N·D flops; one program per block of BM queries keeps its q in registers and streams K/V once
-  (online softmax: a running max m and sum l rescale the accumulator when the max grows); writes o and lse once.
-  Programs of one head run next to each other (the query-block index varies fastest) so K/V come from L2.
+- forward: 4·N·D flops; one program per block of BM queries keeps its q on chip and streams K/V once (online
+  softmax: a running max m and sum l rescale the accumulator when the max grows); writes o and lse once. Programs
+  of one head run next to each other (the query-block index varies fastest) so K/V come from L2. Per score the
+  main loop spends one FMA, one exp2, a max and an add beside the matmuls: its full key blocks need no masks, so
+  its two row reductions are written in Triton (Helion's own would select per element), and the row max is
+  taken before scaling (one multiply per row).
 - backward: two kernels, no S × Skv matrix and no atomics (deterministic):
   ``_attention_bwd_dq`` (one program per query block): δ = rowsum(do ∘ o), stored for the other kernel, then a
   pass over K/V recomputing P and dP: dq. 3 matmuls per score block.
@@ -46,17 +49,25 @@ LN2 = math.log(2.0)
 _INT32_LIMIT = 2**31 - 1
 
 
+# Row reductions of full key blocks, written in Triton: Helion masks a torch.amax/sum over a tile element-wise
+# (a select per score for each, as a dynamic-size block might be partial), which the main loop's blocks never are.
+_ROW_MAX = "tl.max({0}, 1)"
+_ROW_SUM = "tl.sum({0}, 1)"
+
+
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, causal: hl.constexpr
 ) -> None:
-    # q, o: [B, Hk, G, S, D]; k, v: [B, Hk, Skv, D]; lse: [B, Hk, G, S] float32 (natural log).
+    # q, o: [B, Hk, G, S, D]; k, v: [B, Hk, Skv, D]; lse: [B, Hk, G, S] float32 (natural log). qk_scale > 0.
     # A program: BM queries of one head; reads its q block once and K/V once (blocks of BN keys), writes its o block
-    # and lse once. Causal: the blocks left of the diagonal need no mask; the diagonal block (keys of the program's
-    # own positions) is masked, and keys right of it are never read.
+    # and lse once. The main loop walks full key blocks only: those left of the program's first query when causal,
+    # else all but a partial last block. The second loop, with Helion's masks, takes the rest: the diagonal block
+    # (masked causally; keys right of it are never read) or the partial last block.
     b, hk, g, s, d = q.size()
     skv = k.size(2)
     d = hl.specialize(d)
+    block_n = hl.register_block_size(skv)
     for tile_m, tile_g, tile_h, tile_b in hl.tile([s, g, hk, b], block_size=[None, 1, 1, 1]):
         bi = tile_b.begin
         hi = tile_h.begin
@@ -65,30 +76,33 @@ def _attention_fwd(
         m_i = hl.full([tile_m], float("-inf"), dtype=torch.float32)  # running max of the base-2 scores
         l_i = hl.zeros([tile_m], dtype=torch.float32)  # running Σ exp2(score − m_i)
         acc = hl.zeros([tile_m, d], dtype=torch.float32)
-        # (Helion masks both reductions to the keys that exist, so a partial last block needs no mask of ours.)
-        n_end = tile_m.begin if causal else skv
-        for tile_n in hl.tile(0, n_end):
+        n_full = (tile_m.begin if causal else skv) // block_n * block_n
+        for tile_n in hl.tile(0, n_full, block_size=block_n):
             kj = k[bi, hi, tile_n, :]
-            sc = hl.dot(qi, kj.T, out_dtype=torch.float32) * qk_scale
+            sc = hl.dot(qi, kj.T, out_dtype=torch.float32)
+            # max before scaling (qk_scale > 0): one multiply per row, not per score
+            m_new = torch.maximum(m_i, hl.inline_triton(_ROW_MAX, [sc], m_i) * qk_scale)
+            p = torch.exp2(sc * qk_scale - m_new[:, None])
+            alpha = torch.exp2(m_i - m_new)
+            l_i = l_i * alpha + hl.inline_triton(_ROW_SUM, [p], l_i)
+            vj = v[bi, hi, tile_n, :]
+            acc = hl.dot(p.to(vj.dtype), vj, acc=acc * alpha[:, None])
+            m_i = m_new
+        n_end = tile_m.end if causal else skv
+        for tile_c in hl.tile(n_full, n_end, block_size=block_n):
+            kc = k[bi, hi, tile_c, :]
+            sc = hl.dot(qi, kc.T, out_dtype=torch.float32) * qk_scale
+            if causal:
+                sc = torch.where(tile_m.index[:, None] >= tile_c.index[None, :], sc, float("-inf"))
+            # Helion masks both reductions to the keys that exist. Key n_full <= every query of the tile, so the
+            # first block leaves no row's max at −∞ (rows past S, never stored, may turn NaN)
             m_new = torch.maximum(m_i, torch.amax(sc, -1))
             p = torch.exp2(sc - m_new[:, None])
             alpha = torch.exp2(m_i - m_new)
             l_i = l_i * alpha + torch.sum(p, -1)
-            vj = v[bi, hi, tile_n, :]
-            acc = hl.dot(p.to(vj.dtype), vj, acc=acc * alpha[:, None])
+            vc = v[bi, hi, tile_c, :]
+            acc = hl.dot(p.to(vc.dtype), vc, acc=acc * alpha[:, None])
             m_i = m_new
-        if causal:
-            for tile_c in hl.tile(tile_m.begin, tile_m.end):
-                kc = k[bi, hi, tile_c, :]
-                sc = hl.dot(qi, kc.T, out_dtype=torch.float32) * qk_scale
-                sc = torch.where(tile_m.index[:, None] >= tile_c.index[None, :], sc, float("-inf"))
-                m_new = torch.maximum(m_i, torch.amax(sc, -1))  # key 0 <= query i: never all −∞
-                p = torch.exp2(sc - m_new[:, None])
-                alpha = torch.exp2(m_i - m_new)
-                l_i = l_i * alpha + torch.sum(p, -1)
-                vc = v[bi, hi, tile_c, :]
-                acc = hl.dot(p.to(vc.dtype), vc, acc=acc * alpha[:, None])
-                m_i = m_new
         o[bi, hi, gi, tile_m, :] = (acc / l_i[:, None]).to(o.dtype)
         lse[bi, hi, gi, tile_m] = (m_i + torch.log2(l_i)) * LN2
 
@@ -206,10 +220,13 @@ def _max_offset(x: Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 0)
 
 
-def _fit_int32(x: Tensor) -> Tensor:
-    # Helion picks 32-bit offsets from element counts; a view into a larger buffer (q sliced out of a fused qkv
-    # projection) can reach past 2^31 with fewer elements: such an input is copied first.
-    return x.contiguous() if _max_offset(x) > _INT32_LIMIT and x.numel() <= _INT32_LIMIT else x
+def _prepare(x: Tensor) -> Tensor:
+    """x itself, or a contiguous copy where the kernels cannot read it in place: Helion picks 32-bit offsets from
+    element counts, and a view into a larger buffer (q sliced out of a fused qkv projection) can reach past 2^31
+    with fewer elements; a broadcast (stride 0, e.g. an expanded gradient) has no tensor-memory descriptor."""
+    overflow = _max_offset(x) > _INT32_LIMIT and x.numel() <= _INT32_LIMIT
+    broadcast = any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride(), strict=True))
+    return x.contiguous() if overflow or broadcast else x
 
 
 def _pad_row(x: Tensor) -> Tensor:
@@ -227,13 +244,15 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     -> (o [B, Hq, S, D] contiguous in q's dtype, lse [B, Hq, S] float32, natural-log logsumexp of the scores)."""
     B, Hq, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
-    assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (S == Skv or not causal)
+    assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
     if Skv == 1:  # one key: its softmax weight is 1, so o = v and lse = its score (see the module docstring)
         kf = k.float().repeat_interleave(Hq // Hk, 1)
         o = v.repeat_interleave(Hq // Hk, 1).expand(B, Hq, S, D).contiguous()
         return o, (q.float() * kf).sum(-1) * scale
-    q, k, v = (_fit_int32(t) for t in (q, k, v))
+    q, k, v = (_prepare(t) for t in (q, k, v))
     causal = causal and S > 1  # one query, one key: nothing to mask
+    if scale < 0:  # the kernel takes row maxima before scaling: give it (−q, −scale), the same scores
+        q, scale = -q, -scale
     if S == 1:
         q = _pad_row(q)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -253,8 +272,9 @@ def attention_bwd(
     each group's query heads). dq comes from its own kernel over query blocks (no atomics)."""
     B, Hq, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
-    assert k.shape == v.shape == (B, Hk, Skv, D) and do.shape == o.shape == q.shape and lse.shape == q.shape[:-1]
-    do, q, k, v, o = (_fit_int32(t) for t in (do, q, k, v, o))
+    assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
+    assert do.shape == o.shape == q.shape and lse.shape == q.shape[:-1]
+    do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     causal = causal and S > 1
     if S == 1:  # a zero query row: q = do = 0, so its terms in dk, dv vanish; its dq row is sliced off
         do, q, o = _pad_row(do), _pad_row(q), _pad_row(o)
@@ -266,10 +286,9 @@ def attention_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     qg, dog, lseg, deltag = (_groups(t, Hk) for t in (q, do, lse, delta))
-    _helion.run(
-        _attention_bwd_dq, (dog, qg, k, v, _groups(o, Hk), lseg, _groups(dq, Hk), deltag, scale * LOG2E, scale, causal),
-        D, q.device,
-    )
+    # dq first: it writes δ, which the dk/dv kernel reads
+    dq_args = (dog, qg, k, v, _groups(o, Hk), lseg, _groups(dq, Hk), deltag, scale * LOG2E, scale, causal)
+    _helion.run(_attention_bwd_dq, dq_args, D, q.device)
     _helion.run(_attention_bwd_dkdv, (dog, qg, k, v, lseg, deltag, dk, dv, scale * LOG2E, scale, causal), D, q.device)
     if S == 1:
         dq = dq[:, :, :1].contiguous()

@@ -2,8 +2,9 @@
 
 Math, with float32 accumulation whatever the input dtype (float32 inputs use IEEE products, no tf32):
   z = a @ b + bias,   y = act(z),   act in {none, relu, gelu (erf), gelu_tanh, silu}
-  relu(z) = max(z, 0);  gelu(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
+  relu(z) = max(z, 0);  gelu(z) = z·Φ(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
   = z·σ(2u) with u = √(2/π)·(z + 0.044715·z³) (no tanh, no overflow);  silu(z) = z·σ(z).
+  Φ is evaluated as ½·erfc(−z/√2) from a Chebyshev fit of erfc (relative error < 1.2e-7, see ``ERFC_P``).
 The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
 Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
   relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
@@ -24,15 +25,22 @@ where their strides allow (Helion checks 16-byte alignment and falls back to poi
 transposed views become permuted descriptors). Helion switches to 64-bit indices for tensors of more than 2^31
 elements; a view spanning more memory than it holds (a slice of a wider tensor) takes the kernel's int64 twin.
 
-Configs (``hkernels/configs/<arch>/matmul.json``): the buckets of ``_matmul_fwd`` are chosen by the key of
-``bucket_key(M, N)`` = 10·m_class + n_class, with m_class 0: M ≤ 16 (decode rows), 1: M ≤ 128, 2: M ≤ 1024,
-3: larger, and n_class 0: N ≤ 1024, 1: larger, so that a bucket's ``max_n`` of 21 means "M ≤ 1024, any N" when
-the buckets before it took smaller keys. K does not choose the config. float32 inputs have their own buckets
-(IEEE float32 products run on FMA units, not tensor cores: smaller tiles). The element-wise ``_matmul_act_bwd``
-is bucketed by N, as the swiglu kernels.
+Configs (``hkernels/configs/<arch>/matmul.json``): the buckets of ``_matmul_fwd`` are chosen by the key
+``bucket_key`` = 10·path + tile_class. tile_class is 0 for decode rows (M ≤ 16), else the largest of 1: 64×64,
+2: 64×128, 3: 128×128, 4: 128×256 tiles that still makes about one full wave over the GPU's multiprocessors (a
+cue, not a rule: each bucket's config picks its own tiles). path 0 is the fast path (16-bit operands that TMA can
+read and write, a light epilogue); path 1 caps the tile at 128×128, for the gelu epilogue that also writes z (at
+128×256 it spilled 64-184 bytes a thread on sm_90: 255 registers are not enough for the float32 tile, its
+activation and two TMA stores) and for operands Helion cannot move through TMA (pointer loads of a 128×256 tile
+spilled too); path 2 is the int64 twin, whose Helion code loads through pointers (no descriptors with 64-bit
+indices) and takes 128×128×32 tiles. The first bucket whose ``max_n`` covers the key wins, as for the other ops.
+K does not choose the config. float32 inputs have their own buckets (IEEE float32 products run on FMA units, not
+tensor cores: small tiles). The element-wise ``_matmul_act_bwd`` is bucketed by N, as the swiglu kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import helion
 import helion.language as hl
@@ -40,14 +48,28 @@ import torch
 
 from hkernels import _interpret
 from hkernels.ops import _helion
-from hkernels.ops.geglu import A1, A2, A3, A4, A5, INV_SQRT_2PI, SQRT_HALF, TWO_SQRT_2_OVER_PI, P
-from hkernels.ops.geglu import TWO_SQRT_2_OVER_PI_X3C
 from hkernels.ops.swiglu import int64_twin
 from hkernels.ops.swiglu import run as run_elementwise
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 _INT32_MAX = 2**31 - 1
+_TMA_DTYPES = (torch.bfloat16, torch.float16)
+SQRT_HALF = 0.7071067811865475  # 1/√2
+INV_SQRT_2PI = 0.3989422804014327  # 1/√(2π)
+TWO_SQRT_2_OVER_PI = 1.5957691216057308  # 2·√(2/π): σ's argument is 2u
+TWO_SQRT_2_OVER_PI_X3C = 0.21406444881780076  # 2·√(2/π)·3·0.044715, in d(2u)/dz
+# Abramowitz & Stegun 7.1.26 (as in geglu.py, for the 16-bit backward): erfc(x) ≈ t·(A1 + t·(A2 + t·(A3 + t·(A4 +
+# t·A5))))·e^(−x²), t = 1/(1 + P·x), x ≥ 0, |error| ≤ 1.5e-7.
+P, A1, A2, A3, A4, A5 = 0.3275911, 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429
+# Coefficients of P in erfc(x) = t·exp(−x² + P(t)), t = 1/(1 + x/2), x ≥ 0: the Chebyshev fit of Numerical Recipes'
+# erfcc, relative error < 1.2e-7 for every x ≥ 0. The gelu epilogue evaluates Φ(z) = ½·erfc(−z/√2) with it
+# (1 − ½·erfc(z/√2) for z ≥ 0): straight-line FMAs and one exp, where libdevice's erf made the 128×256 epilogue
+# spill registers on sm_90, and without ½·(1 + erf(z/√2))'s cancellation for z < −3.
+ERFC_P = (
+    -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+    0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
+)
 
 
 def _activation(z: Tensor, activation: str | None) -> Tensor:
@@ -55,7 +77,14 @@ def _activation(z: Tensor, activation: str | None) -> Tensor:
     if activation == "relu":
         return torch.relu(z)
     if activation == "gelu":
-        return 0.5 * z * (1.0 + torch.erf(z * SQRT_HALF))
+        # z·Φ(z) with Φ(z) = ½·erfc(−z/√2), erfc(x) = t·exp(−x² + P(t)), t = 1/(1 + x/2), x = |z|/√2 (see ERFC_P)
+        x = torch.abs(z) * SQRT_HALF
+        t = 1.0 / (1.0 + 0.5 * x)
+        p = ERFC_P[8] + t * ERFC_P[9]
+        p = ERFC_P[5] + t * (ERFC_P[6] + t * (ERFC_P[7] + t * p))
+        p = ERFC_P[0] + t * (ERFC_P[1] + t * (ERFC_P[2] + t * (ERFC_P[3] + t * (ERFC_P[4] + t * p))))
+        half_tail = 0.5 * t * torch.exp(p - x * x)
+        return z * torch.where(z >= 0.0, 1.0 - half_tail, half_tail)
     if activation == "gelu_tanh":
         return z * torch.sigmoid(TWO_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
     if activation == "silu":
@@ -89,9 +118,11 @@ def _matmul_fwd(
                 acc = hl.dot(a[tile_b.begin, tile_m, tile_k], b[tile_b.begin, tile_k, tile_n], acc=acc)
         if bias is not None:
             acc = acc + bias[tile_n].to(torch.float32)[None, :]
+        # y before z: fewer registers for the gelu epilogue (sm_90, 128×256 tiles: z first spilled 1.6 KB a thread,
+        # y first 64-184 bytes; that epilogue takes 128×128 tiles, which do not spill)
+        y[tile_b.begin, tile_m, tile_n] = _activation(acc, activation).to(y.dtype)
         if z is not None:
             z[tile_b.begin, tile_m, tile_n] = acc.to(z.dtype)
-        y[tile_b.begin, tile_m, tile_n] = _activation(acc, activation).to(y.dtype)
 
 
 # Backward of the epilogue, per element (the math of each derivative in the module docstring):
@@ -137,10 +168,44 @@ _FWD_WIDE = helion.kernel(_matmul_fwd.fn, static_shapes=False, dot_precision="ie
 _BWD_WIDE = {_matmul_act_bwd.name: int64_twin(_matmul_act_bwd)}
 
 
-def bucket_key(m: int, n: int) -> int:
-    """The config-bucket key of a matmul with M rows and N columns per batch (see the module docstring)."""
-    m_class = 0 if m <= 16 else 1 if m <= 128 else 2 if m <= 1024 else 3
-    return 10 * m_class + (0 if n <= 1024 else 1)
+def tile_class(m: int, n: int, batch: int, sms: int) -> int:
+    """0 for decode rows (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that
+    still gives about a full wave (≥ 0.9·sms tiles), 1 when none does (as the Triton twin's ``tile_class``)."""
+    if m <= 16:
+        return 0
+    for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):
+        if batch * -(-m // bm) * -(-n // bn) >= 0.9 * sms:
+            return cls
+    return 1
+
+
+def _tma_ready(t: Tensor) -> bool:
+    # What Helion needs to read or write the [B, R, C] view through a TMA descriptor: a 16-bit dtype, a 16-byte
+    # aligned base, a unit stride in one of the last two dims and 16-byte multiples for the other strides.
+    if t.dtype not in _TMA_DTYPES or t.data_ptr() % 16 != 0:
+        return False
+    e = t.element_size()
+    unit = 2 if t.stride(2) == 1 or t.shape[2] == 1 else 1 if t.stride(1) == 1 or t.shape[1] == 1 else None
+    if unit is None or t.shape[unit] * e < 16:
+        return False
+    return all(t.shape[d] == 1 or (t.stride(d) > 0 and t.stride(d) * e % 16 == 0) for d in range(3) if d != unit)
+
+
+def bucket_key(m: int, n: int, batch: int, sms: int, path: int) -> int:
+    """The config-bucket key: 10·path + ``tile_class`` (see the module docstring)."""
+    return 10 * path + tile_class(m, n, batch, sms)
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    # the key's wave count is for the GPU at hand; the interpreter's single bucket does not depend on it
+    if device.type != "cuda":
+        return 132
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _span(t: Tensor) -> int:
@@ -157,7 +222,10 @@ def _readable(t: Tensor) -> Tensor:
 
 
 def _batched(t: Tensor) -> Tensor:
-    return t if t.dim() == 3 else t.unsqueeze(0)
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    # a batch broadcast by a zero stride would make a TMA descriptor with a zero stride: copied instead
+    return t.contiguous() if t.shape[0] > 1 and t.stride(0) == 0 else t
 
 
 def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
@@ -209,9 +277,16 @@ def matmul_fwd(
     else:
         y_run, z_run = y, z
     tensors = [t for t in (a3, b3, bias, y_run, z_run) if t is not None]
-    kernel = _FWD_WIDE if any(_span(t) > _INT32_MAX for t in tensors) else _matmul_fwd
+    wide = any(_span(t) > _INT32_MAX for t in tensors)
+    if wide:
+        path = 2
+    elif (activation == "gelu" and z is not None) or not all(_tma_ready(t) for t in (a3, b3, y_run)):
+        path = 1
+    else:
+        path = 0
     upcast = _interpret.enabled() and a.dtype == torch.bfloat16
-    _helion.run(kernel, (a3, b3, bias, y_run, z_run, activation, upcast), bucket_key(m, n), a.device)
+    key = bucket_key(m, n, nb, _sm_count(a.device), path)
+    _helion.run(_FWD_WIDE if wide else _matmul_fwd, (a3, b3, bias, y_run, z_run, activation, upcast), key, a.device)
     if y_run is not y:
         y.copy_(y_run[:, :m, :n])
         if z is not None:
