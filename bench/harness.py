@@ -194,3 +194,30 @@ def default_out(device: torch.device) -> Path:
     name = torch.cuda.get_device_name(device).lower()
     slug = "h200" if "h200" in name else "".join(c if c.isalnum() else "-" for c in name).strip("-")
     return Path(__file__).parent / "results" / slug
+
+
+def time_candidates(
+    fn: Callable[[], object],
+    candidates: Iterable[dict[str, object]],
+    apply: Callable[[dict[str, object]], Callable[[], None]],
+    nbytes: int,
+    copy: float,
+    device: torch.device,
+    deadline: float,
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """Time ``fn`` with each candidate forced by ``apply`` (which returns the undo) until ``deadline`` (time.time());
+    returns (timed, fastest first, with % of copy for ``nbytes``; the failures with their errors)."""
+    tried: list[dict[str, object]] = []
+    for cand in candidates:
+        if time.time() > deadline:
+            break
+        undo = apply(cand)
+        try:
+            ms = time_ms(fn, device)
+            tried.append({"candidate": cand, "ms": ms, "pct_copy": 100 * nbytes / ms / 1e6 / copy})
+        except Exception as e:
+            tried.append({"candidate": cand, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        finally:
+            undo()
+    ok = sorted((t for t in tried if "ms" in t), key=lambda t: float(t["ms"]))  # type: ignore[arg-type]
+    return ok, [t for t in tried if "ms" not in t]

@@ -170,20 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 passes = 3 if "bwd" in family else 2
                 nbytes = passes * m * n * x.element_size()
-                tried = []
-                for cand in candidates:
-                    if time.time() - start > args.budget_s:
-                        break
-                    undo = apply(cand)
-                    try:
-                        ms = harness.time_ms(fn, device)
-                        tried.append({"candidate": cand, "ms": ms, "pct_copy": 100 * nbytes / ms / 1e6 / copy})
-                    except Exception as e:
-                        tried.append({"candidate": cand, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                    finally:
-                        undo()
-                ok = sorted((t for t in tried if "ms" in t), key=lambda t: t["ms"])
-                results["families"][f"{family} {shape}"] = ok + [t for t in tried if "ms" not in t]
+                ok, failed = harness.time_candidates(
+                    fn, candidates, apply, nbytes, copy, device, start + args.budget_s
+                )
+                tried = ok + failed
+                results["families"][f"{family} {shape}"] = tried
                 best = ok[0] if ok else None
                 print(
                     f"{family:<28} {shape:>12}  best {best['pct_copy'] if best else 0:5.1f}% of copy "

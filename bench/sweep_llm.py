@@ -153,20 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         for family, fn, nbytes, candidates, apply in _cross_entropy(t, v, device):
             if args.only not in family:
                 continue
-            tried = []
-            for cand in candidates:
-                if time.time() - start > args.budget_s:
-                    break
-                undo = apply(cand)
-                try:
-                    ms = harness.time_ms(fn, device)
-                    tried.append({"candidate": cand, "ms": ms, "pct_copy": 100 * nbytes / ms / 1e6 / copy})
-                except Exception as e:
-                    tried.append({"candidate": cand, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                finally:
-                    undo()
-            ok = sorted((x for x in tried if "ms" in x), key=lambda x: x["ms"])
-            results["families"][f"{family} {t}x{v}"] = ok + [x for x in tried if "ms" not in x]
+            ok, failed = harness.time_candidates(fn, candidates, apply, nbytes, copy, device, start + args.budget_s)
+            tried = ok + failed
+            results["families"][f"{family} {t}x{v}"] = tried
             for rank, best in enumerate(ok[:3]):
                 print(f"{family:<32} {t}x{v}  #{rank + 1} {best['pct_copy']:5.1f}% of copy {best['candidate']}")
             print(f"{family:<32} {t}x{v}  worst {ok[-1]['pct_copy'] if ok else 0:.1f}%, {len(tried)} tried, "
