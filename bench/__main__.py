@@ -6,7 +6,8 @@ bytes the op must move and their share of the device-to-device copy bandwidth me
 relative to PyTorch eager and torch.compile, the extra peak memory of a call, and the largest error against a
 float64 reference. Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion,
 triton and auto (hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel,
-when importable). Writes results.csv, results.json (with the environment), table.txt, report.md and a PNG per op.
+when importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention). Writes results.csv,
+results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
 
 ``python -m bench compare OLD.json NEW.json`` lists what got slower or faster beyond the noise of the two runs.
 """
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger")
-DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger")
+BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn")
+DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn")
+PEERS = ("liger", "sdpa_flash", "sdpa_cudnn")  # other libraries: timed for the ops that have them
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -88,17 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:  # the smoke pass: interpreted kernels and eager PyTorch only
         backends = [b for b in backends if b in ("helion", "triton", "auto", "torch")]
 
-    def shapes_for(op_name: str) -> list[tuple[int, int]]:
+    def shapes_for(op_name: str) -> list[tuple[int, int, int]]:
         if args.quick:
             return quick_shapes(OPS[op_name], device)
-        shapes: list[tuple[int, int]] = []
+        shapes: list[tuple[int, int, int]] = []
         for item in args.shapes.split(","):
             if item in PRESETS:
                 shapes += preset_shapes(item, OPS[op_name])
             else:
-                m, _, n = item.partition("x")
-                shapes.append((int(m), int(n)))
+                sizes = [int(x) for x in item.split("x")]
+                if len(sizes) not in (2, 3):
+                    raise ValueError(f"a shape is MxN or MxNxK, got {item!r}")
+                shapes.append((sizes[0], sizes[1], sizes[2] if len(sizes) == 3 else 0))
         return list(dict.fromkeys(shapes))
+
+    def backends_for(op_name: str) -> list[str]:
+        op = OPS[op_name]
+        return [b for b in backends if (b not in PEERS or b in op.peers) and (b != "torch_compile" or op.compile)]
 
     try:
         for op in ops:
@@ -115,29 +123,29 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or harness.default_out(device)
 
     measured = [m for m in ("fwd", "fwd_bwd") if m in modes or "bwd" in modes]
-    total = sum(len(shapes_for(op)) for op in ops) * len(measured) * len(backends)
+    total = sum(len(shapes_for(op)) * len(backends_for(op)) for op in ops) * len(measured)
     rows: list[harness.Row] = []
     compiled: dict[str, object] = {}
     i = 0
     for op_name in ops:
         op = OPS[op_name]
-        for m, n in shapes_for(op_name):
-            inputs = make_inputs(op, m, n, dtype, device)
+        for m, n, k in shapes_for(op_name):
+            inputs = make_inputs(op, (m, n, k), dtype, device)
             itemsize = inputs[0].element_size()
-            ups, ref, ref_grads = _reference(op, inputs)
+            ups, ref, ref_grads = _reference(op, inputs, measured)
             by_mode: dict[str, list[harness.Row]] = {}
             for mode in measured:
                 group = by_mode.setdefault(mode, [])
-                for backend in backends:
+                for backend in backends_for(op_name):
                     i += 1
-                    row = harness.Row(op_name, m, n, args.dtype, mode, backend)
+                    row = harness.Row(op_name, m, n, args.dtype, mode, backend, k)
                     group.append(row)
                     fn = _callable(op, backend, compiled, use_backend)
                     if fn is None:
                         row.error = "not available here"
                         continue
                     try:
-                        row.max_err, step = _check_and_step(fn, mode, inputs, op.diff, ups, ref, ref_grads)
+                        row.max_err, step = _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads)
                         row.ms_eager = row.ms = harness.time_ms(step, device)
                         row.us_call = row.ms_eager * 1e3
                         row.peak_mib = harness.peak_mib(step, device)
@@ -168,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.table(rows))
     failed = [r for r in rows if r.error and r.backend in ("helion", "triton", "auto")]
     for r in failed:
-        print(f"hkernels failed: {r.op} {r.m}x{r.n} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
+        print(f"hkernels failed: {r.op} {harness.shape_of(r)} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -187,41 +195,52 @@ def _callable(op, backend, compiled, use_backend):
         if key not in compiled:
             compiled[key] = torch.compile(op.eager, dynamic=False)
         return compiled[key]
-    if backend == "liger":
-        return op.liger
-    raise ValueError(backend)
+    return op.peers.get(backend)
 
 
 def _outputs(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _reference(op, inputs):
+def _reference(op, inputs, modes):
     """Upstream gradients (random; exactly 1 for a scalar loss, as ``loss.backward()`` gives), and the float64
-    reference outputs and gradients."""
-    ins64 = [t.double().requires_grad_(i in op.diff) if t.is_floating_point() else t for i, t in enumerate(inputs)]
-    ref = _outputs(op.ref(*ins64))
-    g = torch.Generator(device=inputs[0].device).manual_seed(1)
-    ups = [
-        torch.ones_like(r) if r.dim() == 0 else torch.randn(r.shape, generator=g, device=r.device, dtype=r.dtype)
-        for r in ref
+    reference outputs and gradients (of ``op.ref_view`` of everything, where the op has one)."""
+    view = op.ref_view or (lambda t: t)
+    ins64 = [
+        view(t).double().requires_grad_(i in op.diff) if t.is_floating_point() else t for i, t in enumerate(inputs)
     ]
-    ref_grads = torch.autograd.grad(ref, [ins64[i] for i in op.diff], ups)
+    ref = _outputs(op.ref(*ins64))
+    if op.ref_view is None:
+        shapes = [r.shape for r in ref]
+    else:  # the upstream gradients must have the full outputs' shapes
+        with torch.no_grad():
+            shapes = [o.shape for o in _outputs(op.eager(*inputs))]
+    g = torch.Generator(device=inputs[0].device).manual_seed(1)
     dtype = inputs[0].dtype
-    return [u.to(dtype) for u in ups], [r.detach() for r in ref], ref_grads
+    ups = [
+        torch.ones(s, device=r.device, dtype=dtype) if len(s) == 0
+        else torch.randn(s, generator=g, device=r.device, dtype=torch.float64).to(dtype)
+        for s, r in zip(shapes, ref, strict=True)
+    ]
+    ref_grads = []
+    if "fwd_bwd" in modes:
+        ref_grads = torch.autograd.grad(ref, [ins64[i] for i in op.diff], [view(u).double() for u in ups])
+    return ups, [r.detach() for r in ref], ref_grads
 
 
-def _check_and_step(fn, mode, inputs, diff, ups, ref, ref_grads):
+def _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads):
     """Run once against the float64 reference (relative max error); return the error and the step to time."""
+    view = op.ref_view or (lambda t: t)
 
     def rel(got, want):
-        return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        return ((view(got).double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
     if mode == "fwd":
         with torch.no_grad():
             err = max(rel(o, r) for o, r in zip(_outputs(fn(*inputs)), ref, strict=True))
         return err, lambda: fn(*inputs)
     # Fresh copies that get gradients (a peer may write into its inputs: Liger's cross-entropy does).
+    diff = op.diff
     ins = [t.detach().clone().requires_grad_(i in diff) if i in diff else t for i, t in enumerate(inputs)]
     wrt = [ins[i] for i in diff]
     outs = _outputs(fn(*ins))
@@ -238,7 +257,7 @@ def _rates(row, op, copy, itemsize) -> None:
     if moved is not None:
         row.gbps = moved / row.ms / 1e6
         row.pct_copy = 100 * row.gbps / copy
-    work = flops(op, row.mode, row.m, row.n)
+    work = flops(op, row.mode, row.m, row.n, row.k)
     if work is not None:
         row.tflops = work / row.ms / 1e9
 
@@ -250,7 +269,8 @@ def _backward_rows(by_mode, op, copy, itemsize):
     out = []
     fwd = {r.backend: r for r in by_mode["fwd"]}
     for both in by_mode["fwd_bwd"]:
-        row = Row(both.op, both.m, both.n, both.dtype, "bwd", both.backend, timing=f"fwd_bwd - fwd ({both.timing})")
+        row = Row(both.op, both.m, both.n, both.dtype, "bwd", both.backend, both.k,
+                  timing=f"fwd_bwd - fwd ({both.timing})")
         f = fwd[both.backend]
         if both.ms and f.ms and both.ms > f.ms:
             row.ms = both.ms - f.ms
@@ -275,7 +295,9 @@ def _relative(group) -> None:
 
 
 def _line(row) -> str:
-    what = f"{row.op} {row.m}x{row.n} {row.mode} {row.backend}"
+    from bench.harness import shape_of
+
+    what = f"{row.op} {shape_of(row)} {row.mode} {row.backend}"
     if row.error:
         return f"{what}: {row.error[:100]}"
     rate = f"{row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy)" if row.gbps else f"{row.tflops or 0:.0f} TFLOP/s"

@@ -20,7 +20,7 @@ def _rows(path: Path) -> tuple[dict[tuple, dict], float]:
     rows = {}
     for r in data["rows"]:
         if r.get("ms") and not r.get("error"):
-            rows[(r["op"], r["m"], r["n"], r["dtype"], r["mode"], r["backend"])] = r
+            rows[(r["op"], r["m"], r["n"], r.get("k", 0), r["dtype"], r["mode"], r["backend"])] = r
     return rows, copy
 
 
@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         o, n = old[key], new[key]
         ratio = n["ms"] * scale / o["ms"]  # > 1: slower
         noise = max(args.min_change, (o.get("spread") or 0) + (n.get("spread") or 0))
+        shape = f"{key[1]}x{key[2]}" + (f"x{key[3]}" if key[3] else "")
         line = (
-            f"{key[0]} {key[1]}x{key[2]} {key[3]} {key[4]} {key[5]}: {o['ms']:.4f} -> {n['ms']:.4f} ms "
+            f"{key[0]} {shape} {key[4]} {key[5]} {key[6]}: {o['ms']:.4f} -> {n['ms']:.4f} ms "
             f"({(ratio - 1) * 100:+.1f}% after scaling, noise ±{noise * 100:.1f}%)"
         )
         if ratio > 1 + noise:

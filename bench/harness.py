@@ -26,13 +26,14 @@ class Row:
     dtype: str
     mode: str
     backend: str
+    k: int = 0  # a third size (matmul's K, attention's batch; see bench/ops.py), 0 for the others
     ms: float | None = None  # GPU time: the call replayed as a CUDA graph, so host overhead is not counted
     spread: float | None = None  # (p80 - p20) / median of ms: the noise of this row in this run
     ms_eager: float | None = None  # per call, launched from Python: host overhead included where it dominates
     us_call: float | None = None  # ms_eager in µs: the latency a caller sees at tiny shapes
     gbps: float | None = None
     pct_copy: float | None = None
-    tflops: float | None = None  # compute-bound ops (fused_linear_cross_entropy): the matmuls' flops per second
+    tflops: float | None = None  # compute-bound ops (matmul, attention, the linear loss): flops per second
     vs_compile: float | None = None  # torch.compile's time / this time (> 1: faster than torch.compile)
     vs_eager: float | None = None
     peak_mib: float | None = None  # memory the call allocates beyond its inputs, at its peak (MiB)
@@ -143,25 +144,30 @@ def _fmt(v: object, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def shape_of(r: Row) -> str:
+    return f"{r.m}x{r.n}" + (f"x{r.k}" if r.k else "")
+
+
 def _short(op: str) -> str:
-    return {"fused_linear_cross_entropy": "linear_ce", "cross_entropy": "cross_entr."}.get(op, op)
+    short = {"fused_linear_cross_entropy": "linear_ce", "cross_entropy": "cross_entr.", "attention": "attn"}
+    return short.get(op, op.replace("attention_", "attn_"))
 
 
 def table(rows: Iterable[Row]) -> str:
     """One line per row; compute-bound rows show TFLOP/s in the GB/s column (e.g. ``512TF``)."""
     head = (
-        f"{'op':<13} {'shape':>13} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
+        f"{'op':<13} {'shape':>17} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
         f"{'vs eager':>8} {'err':>8} {'peak MiB':>9} {'µs/call':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        shape = f"{r.m}x{r.n}"
+        shape = shape_of(r)
         if r.error:
-            lines.append(f"{_short(r.op):<13} {shape:>13} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
+            lines.append(f"{_short(r.op):<13} {shape:>17} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
             continue
         rate = _fmt(r.gbps, "7.0f") if r.gbps or r.tflops is None else _fmt(r.tflops, "5.0f") + "TF"
         lines.append(
-            f"{_short(r.op):<13} {shape:>13} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {rate} "
+            f"{_short(r.op):<13} {shape:>17} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {rate} "
             f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.vs_eager, '8.2f')} "
             f"{_fmt(r.max_err, '8.1e')} {_fmt(r.peak_mib, '9.1f')} {_fmt(r.us_call, '9.1f')}"
         )

@@ -1,15 +1,18 @@
 """What the benchmark runs: per op, how to make inputs, the bytes (or flops) each mode must move, one callable per
 backend, and the shapes of each preset.
 
-Every op is benchmarked at an (M, N) shape: M is tokens; N is the model dimension the op works over (hidden size,
-MLP intermediate size or vocabulary; for rope, the hidden size, as heads of 128; for fused_linear_cross_entropy,
-the hidden size, with Llama-3's vocabulary of 128256).
+Every op is benchmarked at a shape (M, N, K). For the memory-bound ops K is 0 and M is tokens, N the model
+dimension the op works over (hidden size, MLP intermediate size or vocabulary; for rope, the hidden size, as heads
+of 128; for fused_linear_cross_entropy, the hidden size, with Llama-3's vocabulary of 128256). For matmul, a [M, K]
+activation times a [N, K] weight, transposed (``x @ weight.t()``, as nn.Linear computes it). For attention, M is
+the sequence length S, N the width Hq·D of the queries (heads of D = 128; as many key/value heads as query heads,
+the layout of SDPA's measured peers) and K the batch B.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +26,8 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 attention: 128-wide heads, 8 key/value heads (GQA)
 FLCE_VOCAB = 128256
 
-Make = Callable[[int, int, torch.dtype, torch.device, torch.Generator], list[Tensor]]
+Make = Callable[[int, int, int, torch.dtype, torch.device, torch.Generator], list[Tensor]]
+Shape = tuple[int, int, int]  # (M, N, K): K is 0 for ops that have no third size
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,15 @@ class OpBench:
     passes: tuple[int, int] | None = None  # [M, N]-sized tensors the forward and the backward must move
     params: int = 0  # [N]-shaped parameters (read by the forward; their gradients written by the backward)
     bytes_fn: Callable[[str, int, int, int], int] | None = None  # instead of passes: (mode, M, N, itemsize) -> bytes
-    flops_fn: Callable[[str, int, int], float] | None = None  # compute-bound ops: (mode, M, N) -> flops
+    flops_fn: Callable[[str, int, int, int], float] | None = None  # compute-bound ops: (mode, M, N, K) -> flops
     tokens: tuple[int, ...] = (1, 256, 4096, 16384)
     extra: tuple[tuple[int, int], ...] = ()  # more (M, N) in the model presets (e.g. softmax over a vocabulary)
-    liger: Callable[..., object] | None = None
+    peers: dict[str, Callable[..., object]] = field(default_factory=dict)  # liger, sdpa_flash, ...: other libraries
+    compile: bool = True  # also time torch.compile of ``eager`` (False where it would only call the same library op)
+    shapes: Callable[[str], list[Shape]] | None = None  # the presets' shapes, where tokens × model size do not fit
+    # The float64 reference is computed on this view of every input, output and gradient (None: on all of it).
+    # Attention's [B, H, S, S] scores in float64 do not fit in memory at S = 16k; each (batch, head) is separate.
+    ref_view: Callable[[Tensor], Tensor] | None = None
 
 
 def _liger() -> dict[str, Callable[..., object]]:
@@ -78,23 +87,23 @@ LIGER = _liger()
 def _rows(*params: int) -> Make:
     """x [M, N] and ``params`` more [N]-shaped parameters (weights ~1, biases ~0)."""
 
-    def make(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
         x = torch.randn((m, n), generator=g, device=device, dtype=dtype)
         return [x] + [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1 - p for p in params]
 
     return make
 
 
-def _gated(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+def _gated(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     return [torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2)]
 
 
-def _add_norm(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+def _add_norm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     x, r = (torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2))
     return [x, r, torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1]
 
 
-def _rope(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     # one sequence of M tokens; q and k laid out as HF makes them: [B, S, H, D] projections viewed as [B, H, S, D]
     heads = n // HEAD_DIM
     q = torch.randn((1, m, heads, HEAD_DIM), generator=g, device=device, dtype=dtype).transpose(1, 2)
@@ -110,11 +119,11 @@ def _targets(m: int, v: int, device: torch.device, g: torch.Generator) -> Tensor
     return torch.where(torch.rand(m, generator=g, device=device) < 0.1, -100, target)  # some padding
 
 
-def _logits(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+def _logits(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     return [torch.randn((m, n), generator=g, device=device, dtype=dtype) * 2, _targets(m, n, device, g)]
 
 
-def _linear_ce(m: int, n: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+def _linear_ce(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     vocab = FLCE_VOCAB if device.type == "cuda" else 512  # interpreted on CPU: the smoke pass only
     hidden = torch.randn((m, n), generator=g, device=device, dtype=dtype)
     weight = torch.randn((vocab, n), generator=g, device=device, dtype=dtype) * n**-0.5
@@ -132,7 +141,7 @@ def _ce_bytes(mode: str, m: int, n: int, itemsize: int) -> int:
     return {"fwd": 1, "bwd": 1, "fwd_bwd": 2}[mode] * m * n * itemsize
 
 
-def _flce_flops(mode: str, m: int, n: int) -> float:
+def _flce_flops(mode: str, m: int, n: int, k: int) -> float:
     one = 2.0 * m * n * FLCE_VOCAB  # one [M, H] x [H, V] matmul
     return {"fwd": one, "bwd": 2 * one, "fwd_bwd": 3 * one}[mode]
 
@@ -150,6 +159,81 @@ def _eager_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
 def _eager_add_norm(x: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     s = x + r
     return F.rms_norm(s, (s.shape[-1],), w, 1e-6), s
+
+
+def _matmul(bias: bool) -> Make:
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        a = torch.randn((m, k), generator=g, device=device, dtype=dtype)
+        weight = torch.randn((n, k), generator=g, device=device, dtype=dtype) * k**-0.5
+        b = [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.1] if bias else []
+        return [a, weight.t(), *b]  # b read in place as the transposed view of an nn.Linear weight
+
+    return make
+
+
+def _attention(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    shape = (k, n // HEAD_DIM, m, HEAD_DIM)  # [B, H, S, D]
+    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
+
+
+def _matmul_flops(mode: str, m: int, n: int, k: int) -> float:
+    one = 2.0 * m * n * k
+    return {"fwd": one, "bwd": 2 * one, "fwd_bwd": 3 * one}[mode]  # backward: dA = dY Bᵀ and dB = Aᵀ dY
+
+
+def _attention_flops(causal: bool) -> Callable[[str, int, int, int], float]:
+    def count(mode: str, m: int, n: int, k: int) -> float:
+        fwd = 4.0 * k * n * m * m * (0.5 if causal else 1.0)  # Q Kᵀ and P V: 2 · 2·B·H·S²·D (half under the mask)
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]  # backward: 5 matmuls (S recomputed)
+
+    return count
+
+
+def _sdpa(backend: str, causal: bool) -> Callable[..., object]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, backend)
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _head0(t: Tensor) -> Tensor:
+    return t[:1, :1]  # batch 0, head 0 (as many key/value heads as query heads: an independent problem)
+
+
+_PROJECTIONS = {  # nn.Linear (N, K) of a Llama-3 layer: fused q/k/v, o, fused gate/up, down
+    "llama3-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+    "llama3-70b": ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)),
+}
+_MATMUL_TOKENS = {"llama3-8b": (4096, 16384), "llama3-70b": (4096,), "decode": (1, 8, 64), "prefill": (4096, 16384)}
+
+
+def _matmul_shapes(act: bool) -> Callable[[str], list[Shape]]:
+    """Squares 4096³ and 8192³, and a Llama-3 layer's projections (for a fused activation: the up projection only)."""
+
+    def shapes(preset: str) -> list[Shape]:
+        models = ("llama3-8b", "llama3-70b") if preset in ("llama3", "decode", "prefill") else (preset,)
+        out: list[Shape] = [(4096, 4096, 4096), (8192, 8192, 8192)] if preset == "llama3" else []
+        for model in (m for m in models if m in _PROJECTIONS):  # (no shapes for the other models)
+            projections = _PROJECTIONS[model][2:3] if act else _PROJECTIONS[model]
+            tokens = _MATMUL_TOKENS[preset if preset in ("decode", "prefill") else model]
+            out += [(m, n, k) for n, k in projections for m in tokens]
+        return out
+
+    return shapes
+
+
+def _attention_shapes(preset: str) -> list[Shape]:
+    """Sequences of 1k-16k at 16384 tokens per batch (B = 16384 / S), 32 heads of 128 (Llama-3 8B's queries; 64
+    for 70B). None for decode (one query row: not what a flash kernel is for) or other models."""
+    seqs = {"llama3": (1024, 2048, 4096, 8192, 16384), "llama3-8b": (1024, 4096, 16384),
+            "llama3-70b": (4096, 16384), "prefill": (4096, 16384)}
+    width = 8192 if preset == "llama3-70b" else 4096
+    return [(s, width, max(1, 16384 // s)) for s in seqs.get(preset, ())]
 
 
 OPS: dict[str, OpBench] = {
@@ -218,9 +302,39 @@ OPS: dict[str, OpBench] = {
         ref=lambda h, w, t: reference.fused_linear_cross_entropy(h, w, t),
         dim="hidden", flops_fn=_flce_flops, tokens=(1024, 4096, 8192),
     ),
+    "matmul": OpBench(
+        "matmul", _matmul(False), (0, 1),
+        eager=torch.matmul,  # cuBLAS
+        kernel=hkernels.matmul,
+        ref=reference.matmul,
+        dim="hidden", flops_fn=_matmul_flops, compile=False, shapes=_matmul_shapes(False),
+    ),
+    "matmul_gelu": OpBench(  # bias + tanh-gelu in the epilogue; the peer is cuBLAS (bias in its epilogue) + gelu
+        "matmul_gelu", _matmul(True), (0, 1, 2),
+        eager=lambda a, b, bias: F.gelu(torch.addmm(bias, a, b), approximate="tanh"),
+        kernel=lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh"),
+        ref=lambda a, b, bias: reference.matmul(a, b, bias, "gelu_tanh"),
+        dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
+    ),
+    "attention": OpBench(
+        "attention", _attention, (0, 1, 2),
+        eager=F.scaled_dot_product_attention,  # whichever backend SDPA picks
+        kernel=hkernels.attention,
+        ref=reference.attention,
+        dim="hidden", flops_fn=_attention_flops(False), compile=False, shapes=_attention_shapes, ref_view=_head0,
+        peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", False), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", False)},
+    ),
+    "attention_causal": OpBench(
+        "attention_causal", _attention, (0, 1, 2),
+        eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        kernel=lambda q, k, v: hkernels.attention(q, k, v, causal=True),
+        ref=lambda q, k, v: reference.attention(q, k, v, causal=True),
+        dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes, ref_view=_head0,
+        peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", True), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", True)},
+    ),
 }
 for _name, _fn in LIGER.items():
-    OPS[_name] = OpBench(**{**OPS[_name].__dict__, "liger": _fn})
+    OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})
 
 MODELS = {
     "llama3-8b": {"hidden": 4096, "inter": 14336, "vocab": 128256},
@@ -231,25 +345,33 @@ PRESETS = ("llama3", *MODELS, "decode", "prefill")
 QUICK_SHAPES = {"cpu": ((4, 64), (3, 300)), "cuda": ((256, 4096), (4096, 4096))}
 
 
-def preset_shapes(preset: str, op: OpBench) -> list[tuple[int, int]]:
-    """(M, N) shapes of ``preset`` for ``op``: llama3 (8B and 70B), one model, decode (few tokens), prefill (many)."""
+def preset_shapes(preset: str, op: OpBench) -> list[Shape]:
+    """(M, N, K) shapes of ``preset`` for ``op``: llama3 (8B and 70B), one model, decode (few tokens), prefill
+    (many)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown shape preset {preset!r}; presets: {', '.join(PRESETS)}, or sizes like 4096x8192")
+    if op.shapes is not None:
+        return op.shapes(preset)
     if preset == "llama3":
         both = preset_shapes("llama3-8b", op) + preset_shapes("llama3-70b", op)
         return sorted(set(both), key=lambda s: (s[1], s[0]))
     if preset in MODELS:
-        return [(m, MODELS[preset][op.dim]) for m in op.tokens] + list(op.extra)
-    if preset in ("decode", "prefill"):
-        tokens = (1, 8, 64) if preset == "decode" else (4096, 16384)
-        return [(m, MODELS[model][op.dim]) for model in ("llama3-8b", "llama3-70b") for m in tokens]
-    raise ValueError(f"unknown shape preset {preset!r}; presets: {', '.join(PRESETS)}, or sizes like 4096x8192")
+        return [(m, MODELS[preset][op.dim], 0) for m in op.tokens] + [(m, n, 0) for m, n in op.extra]
+    tokens = (1, 8, 64) if preset == "decode" else (4096, 16384)
+    return [(m, MODELS[model][op.dim], 0) for model in ("llama3-8b", "llama3-70b") for m in tokens]
 
 
-def quick_shapes(op: OpBench, device: torch.device) -> list[tuple[int, int]]:
-    """The smoke pass: two small shapes (rope's N must be a multiple of the head size)."""
+def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
+    """The smoke pass: small shapes (rope's N must be a multiple of the head size)."""
+    cpu = device.type == "cpu"
+    if op.name.startswith("matmul"):
+        return [(4, 64, 32), (3, 33, 17)] if cpu else [(256, 4096, 4096), (4096, 4096, 4096)]
+    if op.name.startswith("attention"):
+        return [(16, HEAD_DIM, 1)] if cpu else [(1024, 4096, 2)]
     shapes = QUICK_SHAPES[device.type]
     if op.name in ("rope", "fused_linear_cross_entropy"):
-        return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM)) for m, n in shapes][: 1 if device.type == "cpu" else 2]
-    return list(shapes)
+        return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]
+    return [(m, n, 0) for m, n in shapes]
 
 
 def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int) -> int | None:
@@ -265,9 +387,12 @@ def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int) -> int | 
     return passes * m * n * itemsize + params
 
 
-def flops(op: OpBench, mode: str, m: int, n: int) -> float | None:
-    return op.flops_fn(mode, m, n) if op.flops_fn is not None else None
+def flops(op: OpBench, mode: str, m: int, n: int, k: int) -> float | None:
+    return op.flops_fn(mode, m, n, k) if op.flops_fn is not None else None
 
 
-def make_inputs(op: OpBench, m: int, n: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[Tensor]:
-    return op.make(m, n, dtype, device, torch.Generator(device=device).manual_seed(seed))
+def make_inputs(
+    op: OpBench, shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> list[Tensor]:
+    m, n, k = shape
+    return op.make(m, n, k, dtype, device, torch.Generator(device=device).manual_seed(seed))

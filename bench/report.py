@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bench.harness import Row
+from bench.harness import Row, shape_of
 
 LARGE_BYTES = 64 * 2**20  # rows that move at least this much are judged against the copy bandwidth
 
@@ -52,10 +52,10 @@ def summary_rows(rows: list[Row]) -> list[dict[str, object]]:
 def _best(rows: list[Row]) -> list[str]:
     """The fastest backend per op and mode over the ≥ 64 MiB shapes (geomean of time relative to the fastest)."""
     lines = []
-    keyed: dict[tuple[str, str], dict[tuple[int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    keyed: dict[tuple[str, str], dict[tuple[int, int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         if _large(r) and not r.error:
-            keyed[(r.op, r.mode)][(r.m, r.n)][r.backend] = r.ms
+            keyed[(r.op, r.mode)][(r.m, r.n, r.k)][r.backend] = r.ms
     for (op, mode), shapes in sorted(keyed.items()):
         ratios: dict[str, list[float]] = defaultdict(list)
         for times in shapes.values():
@@ -66,6 +66,32 @@ def _best(rows: list[Row]) -> list[str]:
         if ranked:
             text = ", ".join(f"{b} {g:.2f}×" for g, b in ranked)
             lines.append(f"| {op} | {mode} | {ranked[0][1]} | {text} |")
+    return lines
+
+
+OURS = ("helion", "triton", "auto")
+
+
+def compute_table(rows: list[Row]) -> list[str]:
+    """Compute-bound ops (TFLOP/s, no bytes): one line per op × shape × mode, a column per backend, and the faster
+    hkernels backend over the fastest other one (> 1: hkernels is faster)."""
+    timed = [r for r in rows if r.tflops and not r.gbps and not r.error]
+    backends = list(dict.fromkeys(r.backend for r in timed))
+    if not timed:
+        return []
+    lines = [
+        "| op | shape | mode | " + " | ".join(backends) + " | hkernels / best other |",
+        "|---|---|---|" + "---|" * (len(backends) + 1),
+    ]
+    groups: dict[tuple, dict[str, Row]] = defaultdict(dict)
+    for r in timed:
+        groups[(r.op, shape_of(r), r.mode)][r.backend] = r
+    for (op, shape, mode), by in groups.items():
+        ours = max((by[b].tflops for b in OURS if b in by), default=None)
+        theirs = max((by[b].tflops for b in by if b not in OURS), default=None)
+        ratio = ours / theirs if ours and theirs else None
+        cells = " | ".join(_f(by[b].tflops if b in by else None, ".0f") for b in backends)
+        lines.append(f"| {op} | {shape} | {mode} | {cells} | {_f(ratio, '.2f')} |")
     return lines
 
 
@@ -144,6 +170,9 @@ def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True
             f"{_f(s['vs_eager_large'], '.2f')} | {_f(s['vs_compile_large'], '.2f')} | "
             f"{_f(s['pct_copy_large'], '.1f')} | {s['rows']} |"
         )
+    compute = compute_table(rows)
+    if compute:
+        lines += ["", "## Compute-bound ops: TFLOP/s", "", *compute]
     best = _best(rows)
     if best:
         lines += [
@@ -157,7 +186,7 @@ def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True
     failed = [r for r in rows if r.error]
     if failed:
         lines += ["", "## Rows that did not run", ""]
-        lines += [f"- {r.op} {r.m}×{r.n} {r.mode} {r.backend}: {r.error[:160]}" for r in failed]
+        lines += [f"- {r.op} {shape_of(r)} {r.mode} {r.backend}: {r.error[:160]}" for r in failed]
     lines += ["", "## Plots", ""]
     lines += [f"![{p}]({p})" for p in pngs] or [plot_note or "(none)"]
     lines += ["", "Every row: [table.txt](table.txt), [results.csv](results.csv), [results.json](results.json).", ""]
