@@ -1,8 +1,10 @@
 """``python -m bench.sweep_llm``: time candidate launch settings of the LLM-op kernels on this GPU.
 
-What the shipped configs of cross_entropy (Helion table, Triton ``_settings``) and the chunk length of
-fused_linear_cross_entropy were chosen from. bf16, Llama-3 shapes; times the backend functions themselves (no
-dispatcher) with one candidate forced at a time; prints the best per family and saves every timing as JSON.
+What the shipped configs of cross_entropy (Helion table, Triton ``_split_settings``), the chunk length of
+fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings were chosen from.
+bf16, Llama-3 shapes; times the backend functions themselves (no dispatcher) with one candidate forced at a time;
+prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s as "pct_copy"'s
+neighbour "tflops".
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ def _helion_override(kernel: str) -> Callable[[Candidate], Callable[[], None]]:
 def _triton_ce(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
-    saved = ce._settings
-    ce._settings = lambda *_: (cand["block"], cand["warps"], cand["stages"], cand["per_sm"])
+    saved = ce._split_settings
+    ce._split_settings = lambda *_: (cand["block"], cand["warps"])
 
     def undo() -> None:
-        ce._settings = saved
+        ce._split_settings = saved
 
     return undo
 
@@ -68,21 +70,132 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     grad = torch.empty_like(logits)
     nbytes = 2 * logits.numel() * logits.element_size()  # read logits, write the gradient
     triton_cands = [
-        {"block": b, "warps": w, "stages": s, "per_sm": p}
-        for (b, w), s, p in itertools.product(((4096, 8), (8192, 16), (16384, 16), (16384, 32)), (1, 2, 3), (1, 2, 4))
+        {"block": b, "warps": w} for b, w in ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32))
     ]
     yield ("triton cross_entropy fwd+grad", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, triton_cands, _triton_ce)
     helion_cands = [
-        {"block_sizes": [1, b, b], "num_warps": w, "range_num_stages": [0, s, s], "pid_type": pid,
-         **({"num_sm_multiplier": p} if pid != "flat" else {})}
-        for (b, w), s, (pid, p) in itertools.product(
-            ((8192, 16), (16384, 16)), (1, 2),
-            (("flat", 0), ("persistent_interleaved", 1), ("persistent_interleaved", 2)),
-        )
+        {"block": b, "config": {"num_warps": w, "pid_type": "persistent_interleaved", "num_sm_multiplier": p,
+                                "maxnreg": r}}
+        for b, w, p, r in ((8192, 8, 2, 128), (8192, 16, 1, 128), (8192, 16, 2, 64), (4096, 4, 4, 128),
+                           (4096, 8, 4, 64), (16384, 16, 1, 128), (16384, 32, 1, 64))
     ]
     yield ("helion cross_entropy fwd+grad", lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
-           nbytes, helion_cands, _helion_override("_cross_entropy_fwd"))
+           nbytes, helion_cands, _helion_ce)
+
+
+def _helion_ce(cand: Candidate) -> Callable[[], None]:
+    import hkernels.ops.cross_entropy as h_ce
+
+    undo_config = _helion_override("_cross_entropy_split")(cand["config"])
+    saved = h_ce._split_block
+    h_ce._split_block = lambda v: min(1 << (v - 1).bit_length(), cand["block"])
+
+    def undo() -> None:
+        h_ce._split_block = saved
+        undo_config()
+
+    return undo
+
+
+def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
+    """Helion's matmul forward tiles (the TMA fast path's buckets) at one shape; "nbytes" is the flops here."""
+    import hkernels.ops.matmul as h_mm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, k, generator=g, device=device, dtype=torch.bfloat16).t()
+    cands: list[Candidate] = []
+    for (bm, bn, bk), w, st, pid in itertools.product(
+        ((128, 256, 64), (128, 128, 64), (256, 128, 64), (128, 256, 32)), (8,), (3, 4), ("flat", "persistent")
+    ):
+        c: Candidate = {"block_sizes": [bm, bn, bk], "num_warps": w, "num_stages": st, "l2_groupings": [8],
+                        "indexing": "tensor_descriptor"}
+        if pid == "persistent":
+            c.update(pid_type="persistent_interleaved", range_flattens=[True, None])
+        else:
+            c.update(pid_type="flat")
+        cands.append(c)
+    yield (f"helion matmul fwd {m}x{n}x{k}", lambda: h_mm.matmul_fwd(a, b, None, None, False), -int(2 * m * n * k),
+           cands, _helion_override("_matmul_fwd"))
+
+
+def _triton_matmul_gelu(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
+    """The Triton TMA kernel with the bias + tanh-gelu epilogue: epilogue slices, flattening, warp specialization."""
+    import dataclasses
+
+    import triton_fallback.matmul as t_mm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, k, generator=g, device=device, dtype=torch.bfloat16).t()
+    bias = torch.randn(n, generator=g, device=device, dtype=torch.bfloat16)
+    base = t_mm.MatmulConfig(128, 256, 64, 8, 8, 4, subtile=4, flatten=True)
+    cands: list[Candidate] = [
+        {"subtile": st, "flatten": fl, "warp_specialize": ws, "num_stages": ns, "act": act}
+        for act in ("gelu_tanh", None)
+        for st, fl, ws, ns in ((4, True, False, 4), (2, True, False, 4), (4, False, False, 4), (4, False, True, 4),
+                               (4, True, False, 3), (2, False, True, 3), (4, False, True, 3))
+    ]
+    state: dict[str, Any] = {"act": None}
+
+    def apply(cand: Candidate) -> Callable[[], None]:
+        saved = t_mm.matmul_config
+        cfg = dataclasses.replace(base, **{k_: v for k_, v in cand.items() if k_ != "act"})
+        t_mm.matmul_config = lambda *_a, **_k: cfg
+        state["act"] = cand["act"]
+
+        def undo() -> None:
+            t_mm.matmul_config = saved
+
+        return undo
+
+    yield (f"triton matmul(+gelu) fwd {m}x{n}x{k}", lambda: t_mm.matmul_fwd(a, b, bias, state["act"], False),
+           -int(2 * m * n * k), cands, apply)
+
+
+def _attention_bwd(device: torch.device) -> Iterator[Family]:
+    """The Triton attention backward (dq by atomics, or the separate dq kernel) at B=4, H=32, S=4096, D=128."""
+    import triton_fallback.attention as t_at
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(4, 32, 4096, 128, generator=g, device=device, dtype=torch.bfloat16) for _ in range(4))
+    scale = 128**-0.5
+    cands: list[Candidate] = []
+    for causal in (False, True):
+        for bm, bn, w, st in ((64, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3)):
+            cands.append({"causal": causal, "dq_atomic": True, "dkdv": (bm, bn, w, st), "dq": None})
+        for dkdv in ((64, 128, 8, 2), (128, 128, 8, 2), (64, 128, 8, 3)):
+            for dq in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
+                cands.append({"causal": causal, "dq_atomic": False, "dkdv": dkdv, "dq": dq})
+    fwd = {c: t_at.attention_fwd(q, k, v, c, scale) for c in (False, True)}
+    state: dict[str, Any] = {"causal": False}
+
+    def apply(cand: Candidate) -> Callable[[], None]:
+        saved = t_at.attention_settings
+        state["causal"] = cand["causal"]
+
+        def settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> Any:
+            if kernel == "fwd":
+                return saved(head_dim, dtype, causal, kernel)
+            bm, bn, w, st = cand[kernel] if cand[kernel] else cand["dkdv"]
+            return t_at.AttentionSettings(bm, bn, w, st, dq_atomic=cand["dq_atomic"])
+
+        t_at.attention_settings = settings
+
+        def undo() -> None:
+            t_at.attention_settings = saved
+
+        return undo
+
+    def step() -> object:
+        o, lse = fwd[state["causal"]]
+        return t_at.attention_bwd(do, q, k, v, o, lse, state["causal"], scale)
+
+    flops = int(2.5 * 4 * 4 * 32 * 4096 * 4096 * 128)  # the backward's 5 matmuls (causal: half of it)
+    for causal in (False, True):
+        mine = [c for c in cands if c["causal"] == causal]
+        yield (f"triton attention bwd 4x32x4096x128{' causal' if causal else ''}", step, -flops, mine, apply)
 
 
 def _linear_ce_chunks(t: int, h: int, v: int, device: torch.device) -> list[dict[str, Any]]:
@@ -136,7 +249,8 @@ def _linear_ce_chunks(t: int, h: int, v: int, device: torch.device) -> list[dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sweep_llm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new candidates after this long")
+    p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new candidates after this long")
+    p.add_argument("--family-s", type=float, default=60.0, help="and after this long within one family")
     p.add_argument("--only", default="", help="families whose name contains this (e.g. 'triton', 'linear')")
     p.add_argument("--out", type=Path, default=Path("sweep_llm.json"))
     args = p.parse_args(argv)
@@ -149,22 +263,46 @@ def main(argv: list[str] | None = None) -> int:
     copy = harness.copy_gbps(device)
     start = time.time()
     results: dict[str, Any] = {"copy_gbps": copy, "families": {}}
+
+    def save() -> None:  # after every family: a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, default=str))
+
     for t, v in ((8192, 128256), (4096, 262144)):
         for family, fn, nbytes, candidates, apply in _cross_entropy(t, v, device):
             if args.only not in family:
                 continue
-            ok, failed = harness.time_candidates(fn, candidates, apply, nbytes, copy, device, start + args.budget_s)
+            deadline = min(start + args.budget_s, time.time() + args.family_s)
+            ok, failed = harness.time_candidates(fn, candidates, apply, nbytes, copy, device, deadline)
             tried = ok + failed
             results["families"][f"{family} {t}x{v}"] = tried
             for rank, best in enumerate(ok[:3]):
                 print(f"{family:<32} {t}x{v}  #{rank + 1} {best['pct_copy']:5.1f}% of copy {best['candidate']}")
             print(f"{family:<32} {t}x{v}  worst {ok[-1]['pct_copy'] if ok else 0:.1f}%, {len(tried)} tried, "
                   f"{sum('error' in x for x in tried)} failed", flush=True)
+            save()
         torch.cuda.empty_cache()
+    extra: list[Family] = [*_attention_bwd(device), *_matmul(8192, 8192, 8192, device),
+                            *_matmul(4096, 28672, 4096, device), *_triton_matmul_gelu(8192, 8192, 8192, device)]
+    for family, fn, work, candidates, apply in extra:
+        if args.only not in family:
+            continue
+        deadline = min(start + args.budget_s, time.time() + args.family_s)
+        ok, failed = harness.time_candidates(fn, candidates, apply, 1, copy, device, deadline)
+        for t_ in ok:  # compute-bound: TFLOP/s instead of % of copy
+            flops = -work * (0.5 if t_["candidate"].get("causal") else 1.0)
+            t_["tflops"] = flops / float(t_["ms"]) / 1e9
+            del t_["pct_copy"]
+        ok.sort(key=lambda t_: -float(t_["tflops"]))
+        results["families"][family] = ok + failed
+        for rank, best in enumerate(ok[:4]):
+            print(f"{family:<40} #{rank + 1} {best['tflops']:6.0f} TFLOP/s {best['candidate']}", flush=True)
+        print(f"{family:<40} {len(ok)} timed, {len(failed)} failed: {[f['error'][:80] for f in failed][:3]}")
+        torch.cuda.empty_cache()
+        save()
     if "linear" in args.only or not args.only:
         results["linear_ce"] = _linear_ce_chunks(8192, 4096, 128256, device)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1, default=str))
+    save()
     print(f"copy {copy:.0f} GB/s; {time.time() - start:.0f} s; written {args.out}")
     return 0
 

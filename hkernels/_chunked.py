@@ -26,9 +26,10 @@ MIN_CHUNK = 1024
 
 
 def chunk_rows(t: int, h: int, v: int) -> int:
-    """Tokens per chunk: about T·H/V (a logits chunk the size of hidden), at least MIN_CHUNK, at most T."""
-    per_chunk = max(MIN_CHUNK, -(-t * h // v))
-    return max(1, min(t, 1 << (per_chunk - 1).bit_length()))
+    """Tokens per chunk: T·H/V (a logits chunk the size of hidden) rounded down to a power of two, at least
+    MIN_CHUNK, at most T."""
+    per_chunk = max(MIN_CHUNK, 1 << max(0, (t * h // v).bit_length() - 1))
+    return max(1, min(t, per_chunk))
 
 
 def linear_cross_entropy(

@@ -223,7 +223,29 @@ def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool 
 
     grads = ("hidden", "weight", "bias") if bias else ("hidden", "weight")
     return Case("fused_linear_cross_entropy", name, make, grads, unit_upstream=unit, gpu_only=gpu_only,
-                min_chunk=min_chunk)
+                min_chunk=min_chunk, base=_torch_chunked_linear_ce)
+
+
+def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                             ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
+    (hkernels/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
+    that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
+    different algorithm)."""
+    from hkernels import _chunked
+
+    rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    losses = [
+        torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(), target[i:i + rows],
+            ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
+        )
+        for i in range(0, hidden.shape[0], rows)
+    ]
+    loss = torch.cat(losses)
+    if reduction != "none":
+        loss = loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
+    return loss.to(hidden.dtype)
 
 
 _ELEMENTWISE = [(n, s) for n, s in SHAPES if n != "large_n"] + [("long_rows", (2, 100003))]

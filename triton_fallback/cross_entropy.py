@@ -6,19 +6,30 @@ Math, per row of V logits x with target t and label smoothing ε (rows with t = 
 A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
 
 The forward, asked for the gradient, writes it in the same call (scaled per row, e.g. by 1/valid rows for a
-mean): pass 1 reads the row once with an online (max, sum); pass 2 reads it again and writes the gradient. A
-persistent grid keeps few rows in flight, so pass 2 mostly reads L2, not HBM: bytes ≈ read T·V once, write T·V
-once. The backward then only scales the stored gradient by the upstream gradient, in place, and skips rows whose
+mean), reading the logits once: a row (256 KB at V = 128256 in bf16) does not fit one multiprocessor, so it is
+split into C chunks held in the registers of C programs running at the same time. Each program publishes its
+chunk's (max, Σ exp, Σ x, x_target), counts itself in for the row with an atomic add, waits until all C have,
+combines the C partials into the row's log-sum-exp and writes its chunk's gradient from registers. Waiting is
+safe because the grid is persistent and no larger than the programs that fit on the GPU at once (computed from the
+compiled kernel's registers and warps), and every program takes its (row, chunk) items in increasing order: the
+lowest unfinished row always has all its programs on the way to it. When that many programs cannot be resident
+at once (vocabularies past ~2M), and in the interpreter, which runs programs one after another, the same kernel
+runs as two launches instead (partials; then combine and gradient), reading the logits twice. Without a gradient,
+one program per row reads it once with an online (max, sum).
+
+The backward then only scales the stored gradient by the upstream gradient, in place, and skips rows whose
 factor is exactly 1 (the usual ``loss.backward()``), so it moves nothing in the common case.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, num_sms, persistent_programs
+from triton_fallback._common import interpreting, persistent_programs
 
 Tensor = torch.Tensor
 
@@ -70,6 +81,63 @@ def _cross_entropy_fwd_kernel(
 
 
 @triton.jit
+def _cross_entropy_split_kernel(
+    logits_ptr,  # [T, V], unit column stride
+    target_ptr,  # [T] int64
+    scale_ptr,  # [T] float32, any stride: the gradient's factor per row
+    loss_ptr,  # [T] float32 out
+    grad_ptr,  # [T, V] out (may be logits_ptr: each program reads its chunk before writing it)
+    part_ptr,  # [T, C, 4] float32: per chunk (max, Σ exp(x − max), Σ x, x_target or 0)
+    count_ptr,  # [T] int32, zero: programs of the row that have published their partials (PHASE 0)
+    T, V, C, stride_logits, stride_scale, stride_grad, ignore_index, smoothing,
+    BLOCK_V: tl.constexpr, C_POW2: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: one launch, programs of a row wait for each other; 1: partials only; 2: the rest
+):
+    for item in tl.range(tl.program_id(0), T * C, tl.num_programs(0)):
+        row = item // C
+        chunk = item - row * C
+        row64 = tl.cast(row, tl.int64)
+        t = tl.load(target_ptr + row64)
+        valid = t != ignore_index
+        in_range = (t >= 0) & (t < V)
+        cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(logits_ptr + row64 * stride_logits + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        shift = tl.where(m == -float("inf"), 0.0, m)  # an all -inf chunk: Σ exp = 0, no inf − inf
+        p = tl.exp(x - shift)  # kept (in registers) for the gradient
+        part = part_ptr + (row64 * C + chunk) * 4
+        if PHASE != 2:
+            tl.store(part, m)
+            tl.store(part + 1, tl.sum(p, axis=0))
+            tl.store(part + 2, tl.sum(tl.where(mask, x, 0.0), axis=0))
+            tl.store(part + 3, tl.sum(tl.where(cols == t, x, 0.0), axis=0))
+        if PHASE == 0:
+            # Count in (release: the partials above are visible first), then wait for the row's other chunks.
+            arrived = tl.atomic_add(count_ptr + row64, 1, sem="acq_rel") + 1
+            while arrived < C:
+                arrived = tl.atomic_add(count_ptr + row64, 0, sem="acquire")
+        if PHASE != 1:
+            k = tl.arange(0, C_POW2)
+            parts = part_ptr + (row64 * C + k) * 4
+            ms = tl.load(parts, mask=k < C, other=-float("inf"), volatile=True)
+            ss = tl.load(parts + 1, mask=k < C, other=0.0, volatile=True)
+            row_max = tl.max(ms, axis=0)
+            row_shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+            lse = row_shift + tl.log(tl.sum(ss * tl.exp(ms - row_shift), axis=0))
+            sc = tl.load(scale_ptr + row64 * stride_scale).to(tl.float32)
+            sc = tl.where(valid, tl.where(in_range, sc, float("nan")), 0.0)
+            # exp(m − lse), not exp(shift − lse): an all −inf chunk gives 0, not 0·inf, when lse < −88
+            g = p * tl.exp(m - lse) - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+            tl.store(grad_ptr + row64 * stride_grad + cols, (g * sc).to(grad_ptr.dtype.element_ty), mask=mask)
+            if chunk == 0:
+                x_sum = tl.sum(tl.load(parts + 2, mask=k < C, other=0.0, volatile=True), axis=0)
+                x_t = tl.sum(tl.load(parts + 3, mask=k < C, other=0.0, volatile=True), axis=0)
+                loss = lse - (1.0 - smoothing) * x_t - smoothing / V * x_sum
+                tl.store(loss_ptr + row64, tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0))
+
+
+@triton.jit
 def _cross_entropy_bwd_kernel(
     grad_ptr,  # [R, V], scaled in place
     dloss_ptr,  # [R], any stride (0: one factor for all rows)
@@ -87,26 +155,46 @@ def _cross_entropy_bwd_kernel(
             tl.store(g_row + cols, (x * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-# Rows in flight whose second pass should still find them in L2 (60 MB on the H200, shared with the writes).
-L2_ROW_BUDGET = 40 * 2**20
-
-
-def _settings(v: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_V, warps, pipeline stages, programs per SM) for rows of ``v`` logits.
-
-    Pass 2 re-reads each row: it should come from L2, so the rows in flight (programs × row bytes) are kept under
-    L2_ROW_BUDGET: 2 programs per SM for rows up to ~150 KB, else 1. The block shapes are the ones that compile
-    for sm_90 without spilling (ptxas: 8192 × 8 warps and 16384 × 16 warps, 106 registers, none spilled; 8192 ×
-    16 warps with 2 stages spilled 8 bytes) and, at 16 warps, leave the one program per SM enough loads in
-    flight. Not yet measured on the H200 (python -m bench.sweep_llm is the sweep to run).
-    """
-    if interpreting():  # one big block, few programs
-        return min(triton.next_power_of_2(v), 32768), 4, 1, 1
+def _row_settings(v: int) -> tuple[int, int]:
+    """(BLOCK_V, warps) of the forward without a gradient: one program per row, an online (max, sum) in one read."""
+    if interpreting():
+        return min(triton.next_power_of_2(v), 32768), 4
     block = min(triton.next_power_of_2(v), 8192)
-    per_sm = 2 if 2 * num_sms(device) * v * itemsize <= L2_ROW_BUDGET else 1
-    if per_sm == 1 and v >= 16384:
-        return 16384, 16, 2, 1
-    return block, max(4, min(8, block // 1024)), 2, per_sm
+    return block, max(4, min(8, block // 1024))
+
+
+def _split_settings(v: int) -> tuple[int, int]:
+    """(BLOCK_V, warps) of the split-row kernel: each program holds BLOCK_V logits in registers (as float32).
+
+    8192 × 8 warps: 32 values per thread (124-128 registers on sm_90, no spills), two programs per multiprocessor,
+    so one can load while the other waits for the rest of its row. To be confirmed by python -m bench.sweep_llm.
+    """
+    if interpreting():  # one chunk per row unless rows are long, so the interpreter's tests cover both
+        return min(triton.next_power_of_2(v), 4096), 4
+    block = min(triton.next_power_of_2(v), 8192)
+    return block, max(4, min(8, block // 1024))
+
+
+@functools.lru_cache(maxsize=64)
+def _resident_programs(block: int, warps: int, c_pow2: int, dtype: torch.dtype, device_index: int) -> int:
+    """How many programs of the split kernel fit on the GPU at once, from the compiled kernel's registers, warps
+    and shared memory (each program waits for others of its row: they must all be running)."""
+    device = torch.device("cuda", device_index)
+    dummy = torch.empty(1, 1, dtype=dtype, device=device)
+    i64, f32 = torch.empty(1, dtype=torch.int64, device=device), torch.empty(1, dtype=torch.float32, device=device)
+    compiled = _cross_entropy_split_kernel.warmup(
+        dummy, i64, f32, f32, dummy, f32, torch.empty(1, dtype=torch.int32, device=device),
+        1, 1, 1, 1, 1, 1, -100, 0.0,
+        BLOCK_V=block, C_POW2=c_pow2, PHASE=0, num_warps=warps, grid=(1,),
+    )
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    shared = compiled.metadata.shared
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024) if shared else 32
+    return max(1, min(by_regs, by_threads, by_shared, 32)) * props.multi_processor_count
 
 
 def cross_entropy_fwd(
@@ -117,14 +205,35 @@ def cross_entropy_fwd(
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    block, warps, stages, per_sm = _settings(V, logits.element_size(), logits.device)
-    grid = (persistent_programs(logits.device, T, per_sm),)
-    _cross_entropy_fwd_kernel[grid](
-        logits, target, scale, loss, grad if grad is not None else loss,
-        T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
-        ignore_index, label_smoothing,
-        HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, num_warps=warps,
-    )
+    if grad is None:
+        block, warps = _row_settings(V)
+        _cross_entropy_fwd_kernel[(persistent_programs(logits.device, T, 2),)](
+            logits, target, scale, loss, loss,
+            T, V, logits.stride(0), scale.stride(0), 0, ignore_index, label_smoothing,
+            HAS_GRAD=False, BLOCK_V=block, NUM_STAGES=1, num_warps=warps,
+        )
+        return loss
+    if T == 0:
+        return loss
+    block, warps = _split_settings(V)
+    chunks = triton.cdiv(V, block)
+    c_pow2 = triton.next_power_of_2(chunks)
+    parts = torch.empty(T, chunks, 4, dtype=torch.float32, device=logits.device)
+    args = (logits, target, scale, loss, grad, parts)
+    sizes = (T, V, chunks, logits.stride(0), scale.stride(0), grad.stride(0), ignore_index, label_smoothing)
+    meta = dict(BLOCK_V=block, C_POW2=c_pow2, num_warps=warps)
+    if not interpreting():
+        index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+        resident = _resident_programs(block, warps, c_pow2, logits.dtype, index)
+        if chunks <= resident:
+            count = torch.zeros(T, dtype=torch.int32, device=logits.device)
+            grid = (min(T * chunks, resident),)
+            _cross_entropy_split_kernel[grid](*args, count, *sizes, PHASE=0, **meta)
+            return loss
+    # Two launches, no waiting: the interpreter (programs run one after another), or too many chunks per row.
+    grid = (min(T * chunks, 65536),)
+    for phase in (1, 2):
+        _cross_entropy_split_kernel[grid](*args, loss, *sizes, PHASE=phase, **meta)
     return loss
 
 

@@ -111,7 +111,7 @@ def _matmul_tma_kernel(
     A_T: tl.constexpr, B_T: tl.constexpr,  # a (b) is a transposed view: its descriptor is over [B, K, M] ([B, N, K])
     ACTIVATION: tl.constexpr, KEEP_PRE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    SUBTILE: tl.constexpr, FLATTEN: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Per tile: reads a [BLOCK_M, K] panel of a and a [K, BLOCK_N] panel of b, writes the tile of y (and z) once.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -122,7 +122,7 @@ def _matmul_tma_kernel(
     # tile's loads are software-pipelined into this tile's iterations, and a value used both by the loads of one
     # tile and the epilogue of another is what Triton's persistent-matmul tutorial keeps apart for its pipeliner.
     tile_c = tl.program_id(0) - NUM_PROGRAMS
-    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         batch, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -261,6 +261,7 @@ class MatmulConfig:
     programs_per_sm: int = 1  # persistent TMA kernel: programs per multiprocessor
     subtile: int = 1  # TMA kernel: the epilogue stores 1, 2 or 4 column slices of the tile
     flatten: bool = False  # TMA kernel: flatten tile and K loops into one pipelined loop
+    warp_specialize: bool = False  # TMA kernel: Triton's automatic warp specialization of the tile loop
 
 
 def tile_class(m: int, n: int, batch: int, sms: int) -> int:
@@ -396,7 +397,7 @@ def matmul_fwd(
             bias, m, n, k, nb,
             A_T=a_t, B_T=b_t, ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, NUM_PROGRAMS=programs,
+            SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, NUM_PROGRAMS=programs, WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
