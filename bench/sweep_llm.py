@@ -51,7 +51,7 @@ def _triton_ce(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
     saved = ce._split_settings
-    ce._split_settings = lambda *_: (cand["block"], cand["warps"])
+    ce._split_settings = lambda *_: (cand["block"], cand["warps"], cand["regs"])
 
     def undo() -> None:
         ce._split_settings = saved
@@ -70,7 +70,9 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     grad = torch.empty_like(logits)
     nbytes = 2 * logits.numel() * logits.element_size()  # read logits, write the gradient
     triton_cands = [
-        {"block": b, "warps": w} for b, w in ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32))
+        {"block": b, "warps": w, "regs": r}
+        for b, w, r in ((8192, 8, 128), (4096, 4, 128), (4096, 8, 64), (8192, 16, 64), (16384, 16, 128),
+                        (16384, 32, 64), (8192, 8, 96))
     ]
     yield ("triton cross_entropy fwd+grad", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, triton_cands, _triton_ce)

@@ -23,8 +23,6 @@ factor is exactly 1 (the usual ``loss.backward()``), so it moves nothing in the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -163,38 +161,29 @@ def _row_settings(v: int) -> tuple[int, int]:
     return block, max(4, min(8, block // 1024))
 
 
-def _split_settings(v: int) -> tuple[int, int]:
-    """(BLOCK_V, warps) of the split-row kernel: each program holds BLOCK_V logits in registers (as float32).
+def _split_settings(v: int) -> tuple[int, int, int]:
+    """(BLOCK_V, warps, register cap) of the split-row kernel: each program holds BLOCK_V logits in registers.
 
-    8192 × 8 warps: 32 values per thread (124-128 registers on sm_90, no spills), two programs per multiprocessor,
-    so one can load while the other waits for the rest of its row. To be confirmed by python -m bench.sweep_llm.
+    8192 × 8 warps: 32 float32 values a thread; ptxas gives it 124-128 registers on sm_90, none spilled, so the
+    cap of 128 costs nothing and makes two programs per multiprocessor fit for certain (one loads while the
+    other waits for the rest of its row). To be confirmed by python -m bench.sweep_llm.
     """
-    if interpreting():  # one chunk per row unless rows are long, so the interpreter's tests cover both
-        return min(triton.next_power_of_2(v), 4096), 4
+    if interpreting():  # the interpreter's tests cover one chunk per row and many (V > 4096)
+        return min(triton.next_power_of_2(v), 4096), 4, 128
     block = min(triton.next_power_of_2(v), 8192)
-    return block, max(4, min(8, block // 1024))
+    return block, max(4, min(8, block // 1024)), 128
 
 
-@functools.lru_cache(maxsize=64)
-def _resident_programs(block: int, warps: int, c_pow2: int, dtype: torch.dtype, device_index: int) -> int:
-    """How many programs of the split kernel fit on the GPU at once, from the compiled kernel's registers, warps
-    and shared memory (each program waits for others of its row: they must all be running)."""
-    device = torch.device("cuda", device_index)
-    dummy = torch.empty(1, 1, dtype=dtype, device=device)
-    i64, f32 = torch.empty(1, dtype=torch.int64, device=device), torch.empty(1, dtype=torch.float32, device=device)
-    compiled = _cross_entropy_split_kernel.warmup(
-        dummy, i64, f32, f32, dummy, f32, torch.empty(1, dtype=torch.int32, device=device),
-        1, 1, 1, 1, 1, 1, -100, 0.0,
-        BLOCK_V=block, C_POW2=c_pow2, PHASE=0, num_warps=warps, grid=(1,),
-    )
-    compiled._init_handles()
+def _resident_programs(warps: int, max_regs: int, device: torch.device) -> int:
+    """Programs of ``warps`` warps and at most ``max_regs`` registers a thread that fit on the GPU at once (each
+    program of the split kernel waits for others of its row: they must all be running). The register cap is a
+    launch option (``maxnreg``), so this holds whatever registers the compiler ends up using; the kernel's shared
+    memory (a few KB of reduction scratch) never limits these counts."""
     props = torch.cuda.get_device_properties(device)
-    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    regs_per_warp = -(-max_regs * 32 // 256) * 256  # allocated per warp in units of 256
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-    shared = compiled.metadata.shared
-    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024) if shared else 32
-    return max(1, min(by_regs, by_threads, by_shared, 32)) * props.multi_processor_count
+    return max(0, min(by_regs, by_threads, 32)) * props.multi_processor_count
 
 
 def cross_entropy_fwd(
@@ -215,7 +204,7 @@ def cross_entropy_fwd(
         return loss
     if T == 0:
         return loss
-    block, warps = _split_settings(V)
+    block, warps, max_regs = _split_settings(V)
     chunks = triton.cdiv(V, block)
     c_pow2 = triton.next_power_of_2(chunks)
     parts = torch.empty(T, chunks, 4, dtype=torch.float32, device=logits.device)
@@ -223,8 +212,8 @@ def cross_entropy_fwd(
     sizes = (T, V, chunks, logits.stride(0), scale.stride(0), grad.stride(0), ignore_index, label_smoothing)
     meta = dict(BLOCK_V=block, C_POW2=c_pow2, num_warps=warps)
     if not interpreting():
-        index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-        resident = _resident_programs(block, warps, c_pow2, logits.dtype, index)
+        meta["maxnreg"] = max_regs
+        resident = _resident_programs(warps, max_regs, logits.device)
         if chunks <= resident:
             count = torch.zeros(T, dtype=torch.int32, device=logits.device)
             grid = (min(T * chunks, resident),)
