@@ -1,6 +1,6 @@
 """``python -m bench.sweep_llm``: time candidate launch settings of the LLM-op kernels on this GPU.
 
-What the shipped configs of cross_entropy (Helion table, Triton ``_split_settings``), the chunk length of
+What the shipped configs of cross_entropy (Helion table, Triton ``_settings``), the chunk length of
 fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings were chosen from.
 bf16, Llama-3 shapes; times the backend functions themselves (no dispatcher) with one candidate forced at a time;
 prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s as "pct_copy"'s
@@ -50,11 +50,11 @@ def _helion_override(kernel: str) -> Callable[[Candidate], Callable[[], None]]:
 def _triton_ce(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
-    saved = ce._split_settings
-    ce._split_settings = lambda *_: (cand["block"], cand["warps"], cand["regs"])
+    saved = ce._settings
+    ce._settings = lambda *_: (cand["block"], cand["warps"], cand["stages"], cand["per_sm"])
 
     def undo() -> None:
-        ce._split_settings = saved
+        ce._settings = saved
 
     return undo
 
@@ -70,34 +70,21 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     grad = torch.empty_like(logits)
     nbytes = 2 * logits.numel() * logits.element_size()  # read logits, write the gradient
     triton_cands = [
-        {"block": b, "warps": w, "regs": r}
-        for b, w, r in ((8192, 8, 128), (4096, 4, 128), (4096, 8, 64), (8192, 16, 64), (16384, 16, 128),
-                        (16384, 32, 64), (8192, 8, 96))
+        {"block": b, "warps": w, "stages": s, "per_sm": p}
+        for (b, w), s, p in itertools.product(((4096, 8), (8192, 16), (16384, 16), (16384, 32)), (1, 2, 3), (1, 2, 4))
     ]
     yield ("triton cross_entropy fwd+grad", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, triton_cands, _triton_ce)
     helion_cands = [
-        {"block": b, "config": {"num_warps": w, "pid_type": "persistent_interleaved", "num_sm_multiplier": p,
-                                "maxnreg": r}}
-        for b, w, p, r in ((8192, 8, 2, 128), (8192, 16, 1, 128), (8192, 16, 2, 64), (4096, 4, 4, 128),
-                           (4096, 8, 4, 64), (16384, 16, 1, 128), (16384, 32, 1, 64))
+        {"block_sizes": [1, b, b], "num_warps": w, "range_num_stages": [0, s, s], "pid_type": pid,
+         **({"num_sm_multiplier": p} if pid != "flat" else {})}
+        for (b, w), s, (pid, p) in itertools.product(
+            ((8192, 16), (16384, 16)), (1, 2),
+            (("flat", 0), ("persistent_interleaved", 1), ("persistent_interleaved", 2)),
+        )
     ]
     yield ("helion cross_entropy fwd+grad", lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
-           nbytes, helion_cands, _helion_ce)
-
-
-def _helion_ce(cand: Candidate) -> Callable[[], None]:
-    import hkernels.ops.cross_entropy as h_ce
-
-    undo_config = _helion_override("_cross_entropy_split")(cand["config"])
-    saved = h_ce._split_block
-    h_ce._split_block = lambda v: min(1 << (v - 1).bit_length(), cand["block"])
-
-    def undo() -> None:
-        h_ce._split_block = saved
-        undo_config()
-
-    return undo
+           nbytes, helion_cands, _helion_override("_cross_entropy_fwd"))
 
 
 def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
