@@ -113,11 +113,14 @@ def environment(device: torch.device) -> dict[str, object]:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    try:  # a copy of the tree without .git (as sent to a lent GPU) can name its commit in HKERNELS_COMMIT
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("HKERNELS_COMMIT", "")
+    # A copy of the tree sent to a lent GPU names its commit in HKERNELS_COMMIT (its .git, if any, may be stale)
+    commit = os.environ.get("HKERNELS_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+        except OSError:
+            commit = ""
+    commit = commit.strip()
     env: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpret mode)",
