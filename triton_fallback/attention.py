@@ -114,6 +114,19 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _query_block(pid, S, Hq, GROUP, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    # The program's query block: (batch·head, batch, query head, kv head, first row). Blocks of a head are
+    # neighbours in launch order (they share K/V in L2); causal ones run longest (last) first.
+    n_m = tl.cdiv(S, BLOCK_M)
+    bh = pid // n_m
+    pid_m = pid % n_m
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    h = bh % Hq
+    return bh, bh // Hq, h, h // GROUP, pid_m * BLOCK_M
+
+
+@triton.jit
 def _attention_fwd_inner(
     acc, l_i, m_i, q_tile, rows,  # running output [BLOCK_M, D] f32, row sum, row max (base 2), q tile, row ids
     k, v, b, hk, lo, hi, Skv, qk_scale,
@@ -164,16 +177,7 @@ def _attention_fwd_kernel(
     # One query block of one head: reads its q rows once and its head's K/V once (up to the diagonal when
     # causal); writes its o rows and lse once. Query blocks of a head are neighbours in launch order (they
     # share K/V in L2); causal ones run longest (last) first, so the short ones fill the tail of the launch.
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(S, BLOCK_M)
-    bh = pid // n_m
-    pid_m = pid % n_m
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
+    bh, b, h, hk, m0 = _query_block(tl.program_id(0), S, Hq, GROUP, BLOCK_M, CAUSAL)
     rows = m0 + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
 
@@ -390,16 +394,7 @@ def _attention_bwd_dq_kernel(
 ):
     # One query block of one head (the deterministic dq): reads its q, do rows once and its head's K/V once
     # (up to the diagonal when causal), writes its dq rows once. Launch order as in the forward.
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(S, BLOCK_M)
-    bh = pid // n_m
-    pid_m = pid % n_m
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
+    bh, b, h, hk, m0 = _query_block(tl.program_id(0), S, Hq, GROUP, BLOCK_M, CAUSAL)
     rows = m0 + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
     do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA)

@@ -90,7 +90,7 @@ def _cross_entropy_bwd_kernel(
             tl.store(g_row + cols, (x * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
-def _settings(v: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int]:
+def _settings(v: int) -> tuple[int, int, int, int]:
     """(BLOCK_V, warps, pipeline stages, programs per SM) for rows of ``v`` logits.
 
     Measured on the H200 (python -m bench.sweep_llm, bf16, 36 candidates at 8192 × 128256 and 4096 × 262144):
@@ -98,14 +98,15 @@ def _settings(v: int, itemsize: int, device: torch.device) -> tuple[int, int, in
     ~106 registers × 512 threads) were fastest, 55% of copy at both vocabularies (counting one read of the logits
     and one write of the gradient); 8192 × 16 warps 45%, 4096 × 8 warps 49%, 2-3 stages 36-48%. Pass 2 re-reads
     the row from HBM (the rows in flight, 132 × 256-512 KB, are not kept in L2 by the time it runs), so the kernel
-    moves 1.5× the bytes counted. Below 16384 logits a row: one block of them, up to 8 warps, 2 programs per SM
-    (not swept).
+    moves 1.5× the bytes counted. Below 16384 logits a row: blocks of up to 8192 (as before the sweep: 16384 with
+    2 pipeline stages would ask too much shared memory for float32 rows), up to 8 warps, 2 programs per SM (not
+    swept).
     """
     if interpreting():  # one big block, few programs
         return min(triton.next_power_of_2(v), 32768), 4, 1, 1
     if v >= 16384:
         return 16384, 16, 1, 4
-    block = triton.next_power_of_2(v)
+    block = min(triton.next_power_of_2(v), 8192)
     return block, max(4, min(8, block // 1024)), 2, 2
 
 
@@ -117,7 +118,7 @@ def cross_entropy_fwd(
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    block, warps, stages, per_sm = _settings(V, logits.element_size(), logits.device)
+    block, warps, stages, per_sm = _settings(V)
     grid = (persistent_programs(logits.device, T, per_sm),)
     _cross_entropy_fwd_kernel[grid](
         logits, target, scale, loss, grad if grad is not None else loss,

@@ -46,7 +46,7 @@ import helion
 import helion.language as hl
 import torch
 
-from hkernels import _interpret
+from hkernels import _interpret, reference
 from hkernels.ops import _helion
 from hkernels.ops.swiglu import int64_twin
 from hkernels.ops.swiglu import run as run_elementwise
@@ -257,7 +257,7 @@ def matmul_fwd(
         pre = torch.zeros((nb, m, n), dtype=torch.float32, device=a.device)
         if bias is not None:
             pre = pre + bias.to(torch.float32)
-        y.copy_(_host_activation(pre, activation))
+        y.copy_(reference._activate(pre, activation))  # the same epilogue in PyTorch
         if z is not None:
             z.copy_(pre)
         return y.view(out_shape), None if z is None else z.view(out_shape)
@@ -292,18 +292,6 @@ def matmul_fwd(
         if z is not None:
             z.copy_(z_run[:, :m, :n])
     return y.view(out_shape), None if z is None else z.view(out_shape)
-
-
-def _host_activation(z: Tensor, activation: str | None) -> Tensor:
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "gelu":
-        return torch.nn.functional.gelu(z)
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(z, approximate="tanh")
-    if activation == "silu":
-        return torch.nn.functional.silu(z)
-    return z
 
 
 def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
