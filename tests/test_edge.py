@@ -199,28 +199,51 @@ def test_llm_bad_input_names_the_op_and_the_problem(call, error, match, device):
         call(device)
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_deterministic_mode(backend, causal, device):
-    """Under torch.use_deterministic_algorithms the Triton backward takes its separate dq kernel (no atomics):
-    gradients close to the float64 reference and bitwise equal run to run, for every backend."""
+def _attention_grads(backend: str, causal: bool, device: str):
+    """Two backward runs of one GQA attention (4 query heads on 2 kv heads, S = 37, D = 64) and the float64
+    reference's gradients."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 4, 37, 64, generator=g).to(device) for _ in range(3))
     k, v = k[:, :2], v[:, :2]  # grouped queries: 2 per kv head
     do = torch.randn(1, 4, 37, 64, generator=g).to(device)
     runs = []
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        for _ in range(2):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with hkernels.use_backend(backend):
-                out = hkernels.attention(*leaves, causal=causal)
-            runs.append(torch.autograd.grad(out, leaves, do))
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with hkernels.use_backend(backend):
+            out = hkernels.attention(*leaves, causal=causal)
+        runs.append(torch.autograd.grad(out, leaves, do))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     want = torch.autograd.grad(reference.attention(*leaves, causal=causal), leaves, do.double())
+    return runs, want
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_backward_is_deterministic(backend, causal, device):
+    """Both backends' attention backward (Triton's separate dq kernel, Helion's dq kernel) is bitwise equal run to
+    run, with gradients close to the float64 reference."""
+    runs, want = _attention_grads(backend, causal, device)
     for a, b, w in zip(*runs, want, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_triton_dq_atomics(causal, device, monkeypatch):
+    """Triton's other backward (dq by float32 atomics from the dk/dv kernel, a launch option kept for sweeps and
+    tuning): gradients close to the float64 reference."""
+    import dataclasses
+
+    from triton_fallback import attention as t_attention
+
+    shipped = t_attention.attention_settings
+
+    def with_atomics(head_dim, dtype, causal, kernel):
+        s = shipped(head_dim, dtype, causal, kernel)
+        return dataclasses.replace(s, dq_atomic=True) if kernel == "dkdv" else s
+
+    monkeypatch.setattr(t_attention, "attention_settings", with_atomics)
+    runs, want = _attention_grads("triton", causal, device)
+    for got in runs:
+        for a, w in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-4)

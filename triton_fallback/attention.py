@@ -25,8 +25,8 @@ head) holds its K/V tile and dk, dv accumulators in registers and walks the quer
 its group, recomputing p from lse: no S×Skv matrix is ever stored; (3) dq either by float32 atomics from the
 same walk into a zeroed [B, Hq, S, D] buffer (5 matmuls per tile, summation order not fixed: dq may differ in the
 last bits from run to run), or by a separate kernel over query blocks that recomputes s and dp (7 matmuls per
-tile, bitwise deterministic; used under ``torch.use_deterministic_algorithms(True)``; 1.8× faster on the H200
-than the atomics, which need smaller dk/dv tiles at D = 128, and to become the default once tested there).
+tile, bitwise deterministic; the default: 1.8× faster on the H200 than the atomics, which need smaller dk/dv
+tiles at D = 128; the atomics stay as a launch option for sweeps).
 dk and dv are deterministic either way.
 Matmul FLOPs: 2.5× the forward's with dq atomics, 3.5× with the dq kernel; bytes: k, v
 read once, q and do once per key block (mostly from L2: key blocks of a head run side by side), dk, dv written
@@ -438,15 +438,14 @@ class AttentionSettings:
     num_warps: int
     num_stages: int
     tma: bool = True  # TMA descriptor loads where the tensors allow them (else masked pointer loads)
-    dq_atomic: bool = True  # backward: dq by float32 atomics from the dk/dv kernel (else a separate dq kernel)
+    dq_atomic: bool = False  # backward: dq by float32 atomics from the dk/dv kernel (else the separate dq kernel)
 
 
 def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> AttentionSettings:
     """Launch settings for one kernel: ``kernel`` is "fwd", "dkdv" (backward over key blocks) or "dq" (backward
-    over query blocks, run only when the dkdv settings say ``dq_atomic=False``); the delta pre-pass has fixed
-    settings. The same for causal and not. dq comes by atomics unless ``torch.use_deterministic_algorithms(True)``
-    is in force; then it comes from the separate, bitwise reproducible dq kernel (measured 1.8× faster on the
-    H200, but not yet the default: see the dkdv branch).
+    over query blocks, run when the dkdv settings say ``dq_atomic=False``: always, as shipped); the delta pre-pass
+    has fixed settings. The same for causal and not. dq comes from the separate, bitwise reproducible dq kernel
+    (measured 1.8× faster on the H200 than dq by atomics; the whole suite passed there with it as the default).
 
     Interpreter (CPU): programs run one after another, numpy does the tile math; small tiles with BLOCK_M ≠
     BLOCK_N keep a [1, 2, 100, 64] test under a second and exercise every loop (full blocks, tails, diagonal).
@@ -458,36 +457,29 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
       [128, 64] float32 scores beside the [128, D] accumulator: 143 registers at D = 128, 191 at D = 64),
       3 stages of K/V in flight (132 KB at D = 128).
     - dkdv: BLOCK_M 64 query rows a step; the key block holds dk, dv ([BLOCK_N, D] float32 each, the largest
-      register cost): 128 rows at D ≤ 64, 64 at D = 128 with dq atomics (128 rows spill there: 255 registers and
-      200+ bytes of stack), 128 without them. 8 warps, 2 stages.
-    - dq (deterministic mode): BLOCK_M 128, BLOCK_N 64, as the forward.
+      register cost): 128 rows (with dq atomics, 64 at D = 128: 128 rows spill there: 255 registers and 200+
+      bytes of stack). 8 warps, 2 stages.
+    - dq: BLOCK_M 128, BLOCK_N 64, as the forward.
     float32 (tests only) multiplies without tensor cores (true float32 products): small tiles; ptxas spills there.
     """
     if kernel not in ("fwd", "dkdv", "dq"):
         raise ValueError(f"attention_settings: kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")
-    atomic = not torch.are_deterministic_algorithms_enabled()
     if interpreting():
         if kernel == "dkdv":
-            return AttentionSettings(32, 64, 4, 1, dq_atomic=atomic)
+            return AttentionSettings(32, 64, 4, 1)
         return AttentionSettings(64, 32, 4, 1)
     wide = head_dim >= 128
     if dtype == torch.float32:  # no tensor cores (true float32 products): small tiles, correctness only
         if kernel == "dkdv":
-            return AttentionSettings(32, 64, 8, 2, dq_atomic=atomic)
+            return AttentionSettings(32, 64, 8, 2)
         return AttentionSettings(64, 32, 8, 2)
     if kernel == "fwd":
         return AttentionSettings(128, 64, 8 if wide else 4, 3)
     if kernel == "dkdv":
         # Measured on the H200 (python -m bench.sweep_llm, B=4, H=32, S=4096, D=128, bf16): the separate dq kernel
         # beside 64×128 dk/dv tiles reached 372 TFLOP/s (causal 342), dq by atomics with the 64×64 tiles it needs
-        # at D = 128 205-209 (137-202); 128×128 dk/dv tiles or 3 stages ran out of shared memory. The dq kernel is
-        # NOT the default yet: the one H200 test run with it as the default (cut short by its time limit) showed
-        # two failures in the attention and cross-entropy tests that it did not name; until a run shows them,
-        # the atomics (which passed the whole suite there) stay the default and the dq kernel the deterministic
-        # mode's.
-        if not atomic:  # without the dq tile, 128 key rows fit the registers at D = 128 too
-            return AttentionSettings(64, 128, 8, 2, dq_atomic=False)
-        return AttentionSettings(64, 64 if wide else 128, 8, 2)
+        # at D = 128 205-209 (137-202); 128×128 dk/dv tiles or 3 stages ran out of shared memory.
+        return AttentionSettings(64, 128, 8, 2)
     return AttentionSettings(128, 64, 8 if wide else 4, 3)
 
 
