@@ -234,13 +234,33 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
     return "torch", f"auto: {helion_reason}; triton unavailable too"
 
 
+# Routes already chosen: (op, fn, request, interpret mode, (device type, dtype) of each tensor) -> (backend,
+# the backend's module; the function is looked up per call, so a replaced module attribute takes effect).
+# Everything select() decides on is in the key, except Helion failures, which are keyed by shape and checked
+# apart. Only successful selections are kept: a call that raises is retried in full.
+_routes: dict[tuple[Any, ...], tuple[str, ModuleType]] = {}
+
+
+def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, ModuleType]:
+    key = (op, fn, request, _interpret.enabled(), tuple([(t.device.type, t.dtype) for t in tensors]))
+    found = _routes.get(key)
+    if found is not None and not (found[0] == "helion" and request == "auto" and _helion_failures
+                                  and _signature(fn, tensors) in _helion_failures):
+        return found
+    backend, _ = select(op, request, tensors, fn)
+    module = _module(backend, op)
+    assert not isinstance(module, str)
+    found = (backend, module)
+    if len(_routes) < 4096:  # bounded: the key space is small (ops × requests × dtypes), but never unbounded
+        _routes[key] = found
+    return found
+
+
 def run(op: str, fn: str, request: str, *args: Any) -> Any:
     """Run ``<fn>`` (e.g. ``rms_norm_fwd``) of the backend chosen for ``op``; fall back from Helion under auto."""
     request = request or requested(op)
     tensors = _tensors(args)
-    backend, _ = select(op, request, tensors, fn)
-    module = _module(backend, op)
-    assert not isinstance(module, str)
+    backend, module = _route(op, fn, request, tensors)
     if backend != "helion":
         return getattr(module, fn)(*args)
     try:

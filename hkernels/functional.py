@@ -32,6 +32,64 @@ def _request(op: str) -> str:
     return dispatch.requested(op)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_MUTATES: dict[Any, bool] = {}  # custom op -> whether it mutates an argument (those are always called as custom ops)
+_EAGER: dict[Any, type[torch.autograd.Function]] = {}
+
+
+def _autograd(opdef: Any, backward: Any, setup: Any) -> None:
+    """Register ``opdef``'s autograd formula, and keep an equivalent ``autograd.Function`` for the eager fast
+    path (see :func:`_call`)."""
+    opdef.register_autograd(backward, setup_context=setup)
+    impl = opdef._init_fn  # the Python body under the custom op
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(*args: Any) -> Any:
+            return impl(*args)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            setup(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, *grads)
+
+    _Eager.__name__ = _Eager.__qualname__ = f"{impl.__name__}_eager"
+    _EAGER[opdef] = _Eager
+
+
+def _plain(args: tuple[Any, ...]) -> bool:
+    """True when nothing the custom-op layer exists for is in play: not tracing or compiling, no functorch
+    transform (vmap, grad), no dispatch or function mode (FakeTensorMode, ``with torch.device(...)``), no tensor
+    subclass (DTensor, FakeTensor)."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+        return False
+    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+
+
+def _call(opdef: Any, *args: Any) -> Any:
+    """Call custom op ``opdef``; in plain eager calls (:func:`_plain`) its Python body directly, through the
+    equivalent ``autograd.Function`` when a gradient is wanted. The custom-op layers cost 30-80 µs per call on a
+    CPU (measured), more than a kernel at decode shapes; the results are the same either way. A call that wants a
+    gradient of an op without an autograd formula (a backward op under ``create_graph=True``) takes the custom
+    op, which raises its clear error; so does an op that mutates an input, whose version counter the custom op
+    bumps (a kernel writing through a pointer would not: a second backward over a gradient scaled in place must
+    fail, not reuse it)."""
+    mutates = _MUTATES.get(opdef)
+    if mutates is None:
+        mutates = _MUTATES[opdef] = bool(opdef._opoverload._schema.is_mutable)
+    if not mutates and _plain(args):
+        if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return opdef._init_fn(*args)
+        eager = _EAGER.get(opdef)
+        if eager is not None:
+            return eager.apply(*args)
+    return opdef(*args)
+
+
 def _as_rows(x: Tensor) -> Tensor:
     """[..., N] -> [M, N] (reshape(-1, N) is ambiguous when N = 0)."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -113,11 +171,11 @@ def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Ten
 
 def _rms_norm_backward(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Tensor | None, ...]:
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.backend)
+    dx, dw = _call(_rms_norm_bwd, dy, x, weight, rstd, ctx.backend)
     return dx, (dw if weight is not None else None), None, None
 
 
-_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+_autograd(_rms_norm_fwd, _rms_norm_backward, _rms_norm_setup)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
@@ -128,7 +186,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     """
     _check_input("rms_norm", x)
     _check_param("rms_norm", "weight", weight, x)
-    y, _ = _rms_norm_fwd(_as_rows(x), weight, float(eps), _request("rms_norm"))
+    y, _ = _call(_rms_norm_fwd, _as_rows(x), weight, float(eps), _request("rms_norm"))
     return y.reshape(x.shape)
 
 
@@ -180,11 +238,11 @@ def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, T
 
 def _layer_norm_backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor) -> tuple[Tensor | None, ...]:
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.backend)
+    dx, dw, db = _call(_layer_norm_bwd, dy, x, weight, bias, mean, rstd, ctx.backend)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None, None
 
 
-_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+_autograd(_layer_norm_fwd, _layer_norm_backward, _layer_norm_setup)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
@@ -196,7 +254,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     _check_input("layer_norm", x)
     _check_param("layer_norm", "weight", weight, x)
     _check_param("layer_norm", "bias", bias, x)
-    y, _, _ = _layer_norm_fwd(_as_rows(x), weight, bias, float(eps), _request("layer_norm"))
+    y, _, _ = _call(_layer_norm_fwd, _as_rows(x), weight, bias, float(eps), _request("layer_norm"))
     return y.reshape(x.shape)
 
 
@@ -234,10 +292,10 @@ def _softmax_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 def _softmax_backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None]:
     (y,) = ctx.saved_tensors
-    return _softmax_bwd(dy, y, ctx.backend), None
+    return _call(_softmax_bwd, dy, y, ctx.backend), None
 
 
-_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+_autograd(_softmax_fwd, _softmax_backward, _softmax_setup)
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -253,7 +311,7 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     if not -ndim <= dim < ndim:
         raise IndexError(f"hkernels.softmax: dim {dim} is out of range for a tensor of {x.dim()} dimension(s)")
     xt = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
-    y = _softmax_fwd(_as_rows(xt), _request("softmax")).reshape(xt.shape)
+    y = _call(_softmax_fwd, _as_rows(xt), _request("softmax")).reshape(xt.shape)
     return y.reshape(()) if x.dim() == 0 else y.movedim(-1, dim)
 
 
@@ -325,11 +383,11 @@ def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 def _swiglu_backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
     gate, up = ctx.saved_tensors
-    dgate, dup = _swiglu_bwd(dy, gate, up, ctx.backend)
+    dgate, dup = _call(_swiglu_bwd, dy, gate, up, ctx.backend)
     return dgate, dup, None
 
 
-_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+_autograd(_swiglu_fwd, _swiglu_backward, _swiglu_setup)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -344,7 +402,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     _check_same("swiglu", ("gate", "up"), gate, up)
     if gate.dim() == 0:
         return swiglu(gate.reshape(1), up.reshape(1)).reshape(())
-    y = _swiglu_fwd(_as_rows(gate), _as_rows(up), _request("swiglu"))
+    y = _call(_swiglu_fwd, _as_rows(gate), _as_rows(up), _request("swiglu"))
     return y.reshape(gate.shape)
 
 
@@ -383,11 +441,11 @@ def _geglu_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 def _geglu_backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
     gate, up = ctx.saved_tensors
-    dgate, dup = _geglu_bwd(dy, gate, up, ctx.approximate, ctx.backend)
+    dgate, dup = _call(_geglu_bwd, dy, gate, up, ctx.approximate, ctx.backend)
     return dgate, dup, None, None
 
 
-_geglu_fwd.register_autograd(_geglu_backward, setup_context=_geglu_setup)
+_autograd(_geglu_fwd, _geglu_backward, _geglu_setup)
 
 
 def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
@@ -403,7 +461,7 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
         raise ValueError(f"hkernels.geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
     if gate.dim() == 0:
         return geglu(gate.reshape(1), up.reshape(1), approximate).reshape(())
-    y = _geglu_fwd(_as_rows(gate), _as_rows(up), approximate, _request("geglu"))
+    y = _call(_geglu_fwd, _as_rows(gate), _as_rows(up), approximate, _request("geglu"))
     return y.reshape(gate.shape)
 
 
@@ -450,7 +508,7 @@ def _rope_backward(ctx: Any, dq_rot: Tensor | None, dk_rot: Tensor | None) -> tu
     q_shape, k_shape = ctx.q_shape, ctx.k_shape
     dq_rot = dq_rot if dq_rot is not None else cos.new_zeros(q_shape, dtype=ctx.q_dtype)
     dk_rot = dk_rot if dk_rot is not None else cos.new_zeros(k_shape, dtype=ctx.q_dtype)
-    dq, dk = _rope_bwd(dq_rot, dk_rot, cos, sin, ctx.backend)
+    dq, dk = _call(_rope_bwd, dq_rot, dk_rot, cos, sin, ctx.backend)
     dcos = dsin = None
     if qk:
         # Learned rotary tables (rare): their gradients by PyTorch ops, summed over heads (and the batch when shared).
@@ -480,7 +538,7 @@ def _rope_setup_shapes(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, 
     ctx.set_materialize_grads(False)
 
 
-_rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_shapes)
+_autograd(_rope_fwd, _rope_backward, _rope_setup_shapes)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -512,7 +570,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     if tables[0].shape != tables[1].shape:
         raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
                          f"{list(sin.shape)}")
-    return _rope_fwd(q, k, tables[0], tables[1], _request("rope"))
+    return _call(_rope_fwd, q, k, tables[0], tables[1], _request("rope"))
 
 
 # -------------------------------------------------------------------------------------------- add_rms_norm
@@ -563,11 +621,11 @@ def _add_rms_norm_backward(
 ) -> tuple[Tensor | None, ...]:
     s, weight, rstd = ctx.saved_tensors
     dy = _none_to_zeros(dy, s)
-    dsum, dw = _add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.backend)
+    dsum, dw = _call(_add_rms_norm_bwd, dy, ds, s, weight, rstd, ctx.backend)
     return dsum, dsum, (dw if weight is not None else None), None, None
 
 
-_add_rms_norm_fwd.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
+_autograd(_add_rms_norm_fwd, _add_rms_norm_backward, _add_rms_norm_setup)
 
 
 def add_rms_norm(
@@ -583,7 +641,7 @@ def add_rms_norm(
     _check_tensor("add_rms_norm", "residual", residual, None)
     _check_same("add_rms_norm", ("x", "residual"), x, residual)
     _check_param("add_rms_norm", "weight", weight, x)
-    y, s, _ = _add_rms_norm_fwd(_as_rows(x), _as_rows(residual), weight, float(eps), _request("add_rms_norm"))
+    y, s, _ = _call(_add_rms_norm_fwd, _as_rows(x), _as_rows(residual), weight, float(eps), _request("add_rms_norm"))
     return y.reshape(x.shape), s.reshape(x.shape)
 
 
@@ -690,15 +748,15 @@ def _cross_entropy_backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | Non
         return (None,) * 7
     if ctx.fused:
         (grad,) = ctx.saved_tensors
-        _loss_grad_scale_(grad, dloss, "cross_entropy", ctx.backend)
+        _call(_loss_grad_scale_, grad, dloss, "cross_entropy", ctx.backend)
     else:
         logits, target = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
-        grad = _cross_entropy_grad(dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.backend)
+        grad = _call(_cross_entropy_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.backend)
     return grad, None, None, None, None, None, None
 
 
-_cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+_autograd(_cross_entropy_fwd, _cross_entropy_backward, _cross_entropy_setup)
 
 
 def _check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
@@ -738,7 +796,7 @@ def cross_entropy(
     if V == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
     fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
-    loss, _ = _cross_entropy_fwd(logits, target, ignore_index, float(label_smoothing), reduction, fused,
+    loss, _ = _call(_cross_entropy_fwd, logits, target, ignore_index, float(label_smoothing), reduction, fused,
                                  _request("cross_entropy"))
     return loss
 
@@ -811,16 +869,16 @@ def _flce_backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> t
     if ctx.fused:
         dh, dw, db = ctx.saved_tensors
         for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
-            _loss_grad_scale_(g, dloss, "fused_linear_cross_entropy", ctx.backend)
+            _call(_loss_grad_scale_, g, dloss, "fused_linear_cross_entropy", ctx.backend)
     else:
         hidden, weight, target, bias = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
-        dh, dw, db = _flce_grad(dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
+        dh, dw, db = _call(_flce_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
                                 ctx.backend)
     return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None
 
 
-_flce_fwd.register_autograd(_flce_backward, setup_context=_flce_setup)
+_autograd(_flce_fwd, _flce_backward, _flce_setup)
 
 
 def fused_linear_cross_entropy(
@@ -861,7 +919,7 @@ def fused_linear_cross_entropy(
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    loss, *_ = _flce_fwd(hidden, weight, target, bias, ignore_index, float(label_smoothing), reduction,
+    loss, *_ = _call(_flce_fwd, hidden, weight, target, bias, ignore_index, float(label_smoothing), reduction,
                          wants_grad and reduction != "none", _request("fused_linear_cross_entropy"))
     return loss
 
@@ -921,17 +979,17 @@ def _matmul_backward(ctx: Any, dy: Tensor | None, _dpre: Tensor | None) -> tuple
     if dy is None:
         return (None,) * 6
     a, b, pre = ctx.saved_tensors
-    dz = _matmul_act_bwd(dy, pre, ctx.activation, ctx.backend) if ctx.activation else dy
+    dz = _call(_matmul_act_bwd, dy, pre, ctx.activation, ctx.backend) if ctx.activation else dy
     need_a, need_b, need_bias = ctx.needs_input_grad[:3]
-    da = _matmul_fwd(dz, b.transpose(-1, -2), None, "", False, ctx.backend)[0] if need_a else None
-    db = _matmul_fwd(a.transpose(-1, -2), dz, None, "", False, ctx.backend)[0] if need_b else None
+    da = _call(_matmul_fwd, dz, b.transpose(-1, -2), None, "", False, ctx.backend)[0] if need_a else None
+    db = _call(_matmul_fwd, a.transpose(-1, -2), dz, None, "", False, ctx.backend)[0] if need_b else None
     dbias = None
     if ctx.has_bias and need_bias:
         dbias = dz.reshape(-1, dz.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return da, db, dbias, None, None, None
 
 
-_matmul_fwd.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+_autograd(_matmul_fwd, _matmul_backward, _matmul_setup)
 
 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
@@ -962,7 +1020,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str | N
     keep_pre = activation is not None and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, bias)
     )
-    y, _ = _matmul_fwd(a, b, bias, activation or "", keep_pre, _request("matmul"))
+    y, _ = _call(_matmul_fwd, a, b, bias, activation or "", keep_pre, _request("matmul"))
     return y
 
 
@@ -1012,11 +1070,11 @@ def _attention_backward(ctx: Any, do: Tensor | None, _dlse: Tensor | None) -> tu
     if do is None:
         return (None,) * 6
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.backend)
+    dq, dk, dv = _call(_attention_bwd, do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.backend)
     return dq, dk, dv, None, None, None
 
 
-_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+_autograd(_attention_fwd, _attention_backward, _attention_setup)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
@@ -1048,7 +1106,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         raise ValueError(f"hkernels.attention: causal=True needs as many queries as keys (S = {S}, Skv = "
                          f"{k.shape[2]}): with different lengths the mask's alignment is ambiguous")
     scale = D**-0.5 if scale is None else float(scale)
-    o, _ = _attention_fwd(q, k, v, bool(causal), scale, _request("attention"))
+    o, _ = _call(_attention_fwd, q, k, v, bool(causal), scale, _request("attention"))
     return o
 
 

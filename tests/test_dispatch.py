@@ -217,3 +217,41 @@ def test_selected_backend_takes_the_op_signature(device):
     assert hkernels.selected_backend("layer_norm", x, weight=None, bias=None, eps=1e-3) == "helion"
     with pytest.raises(TypeError):
         hkernels.selected_backend("softmax", x, nonsense=1)
+
+
+class _NoOpMode(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: it makes hkernels take the custom-op path instead of its eager fast
+    path (functional._call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+def test_eager_fast_path_equals_the_custom_op_path(backend, device):
+    """Plain eager calls skip the torch.library layers (which cost more than a kernel at decode shapes): results and
+    gradients must be bitwise those of the custom-op path, for an op with saved statistics (layer_norm), a loss
+    whose gradient is made in the forward and scaled in place (cross_entropy) and a two-output op (rope)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=g).to(device)
+    w, b = torch.randn(40, generator=g).to(device), torch.randn(40, generator=g).to(device)
+    target = torch.randint(0, 40, (3,), generator=g).to(device)
+    q, k = torch.randn(1, 2, 5, 8, generator=g).to(device), torch.randn(1, 1, 5, 8, generator=g).to(device)
+    cos, sin = torch.randn(5, 8, generator=g).to(device), torch.randn(5, 8, generator=g).to(device)
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, w, b, q, k)]
+        xl, wl, bl, ql, kl = leaves
+        with hkernels.use_backend(backend):
+            y = hkernels.layer_norm(xl, wl, bl)
+            loss = hkernels.cross_entropy(xl * 2, target)
+            qr, kr = hkernels.rope(ql, kl, cos, sin)
+            nograd = hkernels.rms_norm(x, w)
+        (y.square().sum() + loss * 3 + qr.sum() + kr.square().sum()).backward()
+        return [y, loss, qr, kr, nograd, *(t.grad for t in leaves)]
+
+    fast = run()
+    with _NoOpMode():
+        slow = run()
+    for a, s in zip(fast, slow, strict=True):
+        assert torch.equal(a, s)
