@@ -9,8 +9,10 @@ What a call asks for, strongest first:
   2. ``HKERNELS_BACKEND``, read at every call: ``auto`` | ``helion`` | ``triton`` | ``torch``, optionally with
      per-op overrides, e.g. ``HKERNELS_BACKEND=helion,softmax=triton``;
   3. ``auto``.
-``auto`` runs CUDA tensors on helion, falling back to triton (one warning per op and reason) when Helion cannot
-compile or run the input, and CPU tensors on torch (in interpret mode, CPU tensors take the CUDA path). A
+``auto`` runs CUDA tensors on the backend measured faster for the op and shape bucket on this GPU arch (the
+shipped table ``hkernels/configs/auto/<arch>.json``, or the tune command's in the user cache), on helion where
+nothing was measured, falling back to triton (one warning per op and reason) when Helion cannot compile or run
+the input; CPU tensors run on torch (in interpret mode, CPU tensors take the CUDA path, helion first). A
 backend asked for by name that cannot run the call raises :class:`BackendUnavailableError`, naming the op, the
 backend, the reason and what can run instead.
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from hkernels import _interpret
+from hkernels import _interpret, configs
 
 BACKENDS: tuple[str, ...] = ("helion", "triton", "torch")
 REQUESTS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -224,14 +226,56 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
     if not tensors or (all(t.device.type == "cpu" for t in tensors) and not _interpret.enabled()):
         return "torch", "auto: CPU tensors run on torch"
     helion_reason = unavailable_reason(op, "helion", tensors)
+    triton_ok = unavailable_reason(op, "triton", tensors) is None
     if helion_reason is None:
         failure = _helion_failures.get(_signature(fn or f"{op}_fwd", tensors))
         if failure is None:
-            return "helion", "auto: helion"
+            measured = _measured_choice(op, tensors) if triton_ok else None
+            if measured is not None:
+                return measured
+            return "helion", "auto: helion (the primary backend; no measurement for this arch and shape)"
         helion_reason = f"helion failed on this input earlier ({failure})"
-    if unavailable_reason(op, "triton", tensors) is None:
+    if triton_ok:
         return "triton", f"auto: {helion_reason}"
     return "torch", f"auto: {helion_reason}; triton unavailable too"
+
+
+def _shape_key(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(rows, n) of a call as the auto table buckets it: the first tensor's last dim and its other elements."""
+    t = tensors[0]
+    n = t.shape[-1] if t.dim() else 1
+    return (t.numel() // n if n else 0), n
+
+
+def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, Any]] | None:
+    """(arch, the auto-table bucket covering this call) or None (CPU tensors, or nothing measured)."""
+    t = tensors[0]
+    if t.is_cuda:
+        arch = configs.cuda_arch(t.device)
+    elif _interpret.enabled():
+        arch = "interpret"  # nothing shipped; a user table there lets the tests exercise this path on a CPU
+    else:
+        return None
+    buckets = configs.auto_table(arch).get(op)
+    if not buckets:
+        return None
+    rows, n = _shape_key(tensors)
+    for bucket in buckets:
+        if (bucket["max_rows"] is None or rows <= bucket["max_rows"]) and (
+                bucket["max_n"] is None or n <= bucket["max_n"]):
+            return arch, bucket
+    return None
+
+
+def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, str] | None:
+    found = _bucket(op, tensors)
+    if found is None:
+        return None
+    arch, bucket = found
+    if bucket["backend"] not in ("helion", "triton"):
+        return None
+    return bucket["backend"], (f"auto: {bucket['backend']} measured faster on {arch} ({bucket['source']} table; "
+                               f"{bucket.get('measured', 'no detail')})")
 
 
 # Routes already chosen: (op, fn, request, interpret mode, (device type, dtype) of each tensor) -> (backend,
@@ -242,7 +286,10 @@ _routes: dict[tuple[Any, ...], tuple[str, ModuleType]] = {}
 
 
 def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, ModuleType]:
-    key = (op, fn, request, _interpret.enabled(), tuple([(t.device.type, t.dtype) for t in tensors]))
+    key: tuple[Any, ...] = (op, fn, request, _interpret.enabled(), tuple([(t.device.type, t.dtype) for t in tensors]))
+    if request == "auto" and tensors:
+        found = _bucket(op, tensors)  # the measured choice depends on the shape: it joins the key
+        key = (*key, None if found is None else found[1]["backend"])
     found = _routes.get(key)
     if found is not None and not (found[0] == "helion" and request == "auto" and _helion_failures
                                   and _signature(fn, tensors) in _helion_failures):
@@ -296,9 +343,21 @@ def backends(op: str) -> list[str]:
     return [*out, "torch"]
 
 
-def selected_backend(op: str, *args: Any, **kwargs: Any) -> str:
-    """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run on now."""
+class Selection(str):
+    """A backend name (compares equal to it) that also says why it was chosen: ``.reason``."""
+
+    reason: str
+
+    def __new__(cls, backend: str, reason: str) -> Selection:
+        self = super().__new__(cls, backend)
+        self.reason = reason
+        return self
+
+
+def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
+    """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run on now; ``.reason`` says why (asked for by
+    name, measured faster on this arch for this shape bucket, a Helion failure, CPU tensors)."""
     _check_op(op)
     bound = inspect.signature(_OPS[op]).bind(*args, **kwargs)
     tensors = _tensors(tuple(bound.arguments.values()))
-    return select(op, requested(op), tensors)[0]
+    return Selection(*select(op, requested(op), tensors))

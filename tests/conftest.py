@@ -7,6 +7,7 @@ collection time, from whether torch sees a GPU.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["HKERNELS_INTERPRET"] = "1"
 os.environ.pop("HKERNELS_BACKEND", None)  # a developer's setting must not leak into the suite
+# Nor the developer's tuned tables: the suite sees the shipped ones, plus what a test writes here.
+os.environ["HKERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="hkernels-tests-cache-")
 
 import hkernels  # noqa: E402
 from hkernels import dispatch  # noqa: E402

@@ -255,3 +255,52 @@ def test_eager_fast_path_equals_the_custom_op_path(backend, device):
         slow = run()
     for a, s in zip(fast, slow, strict=True):
         assert torch.equal(a, s)
+
+
+@pytest.fixture
+def user_auto_table(device, monkeypatch, tmp_path):
+    """Write an auto table into a fresh user cache for this machine's arch; the tables are re-read around the test."""
+    from hkernels import configs
+
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    arch = configs.cuda_arch(device) if device.type == "cuda" else "interpret"
+    path = tmp_path / "auto" / f"{arch}.json"
+    path.parent.mkdir(parents=True)
+
+    def write(text: str) -> None:
+        path.write_text(text)
+        configs.reload()
+
+    yield write
+    configs.reload()  # monkeypatch restores the cache dir after this; the tables are read again lazily
+
+
+def test_auto_follows_the_measured_table(user_auto_table, monkeypatch, device):
+    """Under auto, the tuned table's bucket decides (rows ≤ 8 → triton here), the call really runs there, and
+    selected_backend says why; a named backend still wins."""
+    user_auto_table('{"softmax": [{"max_rows": 8, "max_n": null, "backend": "triton", "measured": "rows=8: t"},'
+                    ' {"max_rows": null, "max_n": null, "backend": "helion", "measured": "rows=64: h"}]}')
+    small, large = _x(device), torch.randn(64, 16, device=device)
+    chosen = hkernels.selected_backend("softmax", small)
+    assert chosen == "triton" and "measured faster" in chosen.reason and "tuned" in chosen.reason
+    assert "rows=8: t" in chosen.reason
+    assert hkernels.selected_backend("softmax", large) == "helion"
+    assert hkernels.selected_backend("rms_norm", small) == "helion"  # an op the table does not name
+    calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
+    torch.testing.assert_close(hkernels.softmax(small), reference.softmax(small))
+    assert calls == [1]
+    with hkernels.use_backend("helion"):
+        assert hkernels.selected_backend("softmax", small) == "helion"
+
+
+def test_broken_user_table_is_ignored_with_a_warning(user_auto_table, device):
+    user_auto_table("{not json")
+    with pytest.warns(RuntimeWarning, match="ignoring .*auto"):
+        assert hkernels.selected_backend("softmax", _x(device)) == "helion"
+
+
+def test_selected_backend_says_why(device):
+    x = _x(device)
+    with hkernels.use_backend("triton"):
+        assert hkernels.selected_backend("softmax", x).reason == "asked for by name"
+    assert hkernels.selected_backend("softmax", x.cpu().double()).reason.startswith("auto")

@@ -1,0 +1,96 @@
+"""Tuned data, per GPU arch: where it is shipped, where the tune command writes it, and how the two combine.
+
+Shipped with the package (``hkernels/configs/``):
+  ``<arch>/<op>.json``   Helion configs: ``{kernel name: [bucket, ...]}``, a bucket ``{"max_n": N or null,
+                         "config": {...}}`` (see ``hkernels/ops/_helion.py``);
+  ``auto/<arch>.json``   the ``auto`` backend's choice: ``{op: [{"max_rows", "max_n", "backend", "measured"}, ...]}``
+                         (made by ``python -m bench.auto_table`` from H200 benchmarks).
+Written by ``python -m hkernels.tune`` on the user's GPU, in the user cache (``HKERNELS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/hkernels``, else ``~/.cache/hkernels``): ``helion/<arch>/<op>.json`` and ``auto/<arch>.json``, same
+formats. A user Helion bucket list is tried before the shipped one of the same kernel; a user auto table replaces
+the shipped entry of each op it names. Arch names are ``sm<major><minor>``; ``interpret`` in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_ARCH = "sm90"
+
+
+def cache_dir() -> Path:
+    """The user cache the tune command writes to."""
+    explicit = os.environ.get("HKERNELS_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hkernels"
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def cuda_arch(device: torch.device) -> str:
+    """``sm<major><minor>`` of a CUDA device."""
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _read(path: Any) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # a broken user file must not break every call: say so once, ignore it
+        import warnings
+
+        warnings.warn(f"hkernels: ignoring {path}: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        return {}
+
+
+@functools.lru_cache(maxsize=16)
+def helion_table(arch: str) -> dict[str, list[dict[str, Any]]]:
+    """Helion config buckets per kernel for ``arch`` (the shipped sm90 ones when none are shipped for it), user
+    buckets first."""
+    root = resources.files(__name__)
+    folder = root.joinpath(arch)
+    if not folder.is_dir():
+        folder = root.joinpath(DEFAULT_ARCH)
+    table: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".json"):
+            table.update(json.loads(path.read_text()))
+    user = cache_dir() / "helion" / arch
+    if user.is_dir():
+        for path in sorted(user.glob("*.json")):
+            for kernel, buckets in _read(path).items():
+                table[kernel] = [*buckets, *table.get(kernel, [])]
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def auto_table(arch: str) -> dict[str, tuple[dict[str, Any], ...]]:
+    """The auto backend's buckets per op for ``arch`` (shipped, each op replaced by the user's table where it has
+    one); empty for an arch nobody measured."""
+    table: dict[str, tuple[dict[str, Any], ...]] = {}
+    for source, data in (("shipped", _read(resources.files(__name__).joinpath("auto", f"{arch}.json"))),
+                         ("tuned", _read(cache_dir() / "auto" / f"{arch}.json"))):
+        for op, buckets in data.items():
+            if not op.startswith("_"):
+                table[op] = tuple({**bucket, "source": source} for bucket in buckets)
+    return table
+
+
+def reload() -> None:
+    """Forget the tables read so far (after the tune command wrote new ones in this process)."""
+    helion_table.cache_clear()
+    auto_table.cache_clear()

@@ -1,58 +1,37 @@
 """Running Helion kernels with shipped configs: never autotune at call time.
 
 Configs live beside the code as data, in ``hkernels/configs/<arch>/<op>.json``: for each kernel a list of buckets
-``{"max_n": N or null, "config": {...}}``, the first bucket whose ``max_n`` covers the row length wins. The
-arch is ``sm<major><minor>`` of the input's GPU (``sm90`` when no table exists for it) and ``interpret`` in
-interpret mode, where large blocks make the interpreter fast.
+``{"max_n": N or null, "config": {...}}`` (optionally ``"min_n"``, ``"dtypes"``), the first bucket that covers the
+row length wins; buckets written by ``python -m hkernels.tune`` in the user cache come first (see
+``hkernels/configs``). The arch is ``sm<major><minor>`` of the input's GPU (``sm90`` when no table exists for it)
+and ``interpret`` in interpret mode, where large blocks make the interpreter fast.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from importlib import resources
 from typing import Any
 
 import helion
 import torch
 
-from hkernels import _interpret
-
-_DEFAULT_ARCH = "sm90"
-
-
-@functools.lru_cache(maxsize=8)
-def _table(arch: str) -> dict[str, list[dict[str, Any]]]:
-    # One file per op (kernel names are unique across ops): the tables of all of an arch's files, merged.
-    folder = resources.files("hkernels.configs").joinpath(arch)
-    if not folder.is_dir():
-        folder = resources.files("hkernels.configs").joinpath(_DEFAULT_ARCH)
-    table: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(folder.iterdir(), key=lambda p: p.name):
-        if path.name.endswith(".json"):
-            table.update(json.loads(path.read_text()))
-    return table
-
-
-@functools.lru_cache(maxsize=8)
-def _cuda_arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
+from hkernels import _interpret, configs
 
 
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
-        return "interpret" if _interpret.enabled() else _DEFAULT_ARCH
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+        return "interpret" if _interpret.enabled() else configs.DEFAULT_ARCH
+    return configs.cuda_arch(device)
 
 
 def _bucket(arch: str, kernel: str, n: int, dtype: torch.dtype) -> dict[str, Any]:
-    buckets = _table(arch).get(kernel)
+    buckets = configs.helion_table(arch).get(kernel)
     if not buckets:
         raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} ({arch})")
     name = str(dtype).removeprefix("torch.")
     for bucket in buckets:
-        if (bucket["max_n"] is None or n <= bucket["max_n"]) and name in bucket.get("dtypes", [name]):
+        if ((bucket["max_n"] is None or n <= bucket["max_n"]) and n >= bucket.get("min_n", 0)
+                and name in bucket.get("dtypes", [name])):
             return bucket
     raise KeyError(f"hkernels: no shipped Helion config for kernel {kernel!r} at N={n}, {name} ({arch})")
 
@@ -126,6 +105,13 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
                 _compiled.clear()
             _compiled[key] = fn
     return fn(*args)
+
+
+def forget() -> None:
+    """Drop every config and compiled kernel chosen so far (the tables changed: see ``configs.reload``)."""
+    configs.reload()
+    _config.cache_clear()
+    _compiled.clear()
 
 
 @functools.lru_cache(maxsize=8)

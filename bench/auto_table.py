@@ -1,0 +1,105 @@
+"""``python -m bench.auto_table RESULTS.json ... --out FILE``: the ``auto`` backend's table from measured benchmarks.
+
+For each op and each measured shape it compares Helion's and Triton's times (the sum over the modes measured:
+forward and forward+backward, or per-call latency for decode-sized rows, where the host's work is what a caller
+waits for) and writes which backend to use for the shapes around it. The dispatcher reads the table
+(``hkernels/configs/<arch>/auto.json``, or the tune command's copy in the user cache) to resolve ``auto``.
+
+Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
+``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers
+a call wins, so buckets are written by ascending n, then ascending rows. Later result files override earlier ones
+for the same shape (give the newest last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bench.ops import HEAD_DIM
+
+# Benchmark rows that are variants of one op: they share the op's buckets (times are summed).
+_OP_OF = {"attention_causal": "attention", "matmul_gelu": "matmul"}
+LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare per-call latency
+TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
+
+
+def dispatch_shape(op: str, m: int, n: int, k: int) -> tuple[int, int]:
+    """(rows, n) of the op's first tensor for a benchmark row at (M, N, K); see bench/ops.py for what M, N, K are."""
+    if op in ("rope", "attention"):
+        heads = n // HEAD_DIM
+        return m * heads * max(k, 1), HEAD_DIM  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
+    if op == "matmul":
+        return m, k  # a [M, K]
+    return m, n
+
+
+def _score(row: dict[str, Any], latency: bool) -> float | None:
+    if latency:
+        return row.get("us_call")
+    return row.get("ms")
+
+
+def build(paths: list[Path]) -> dict[str, Any]:
+    # (op, rows, n) -> {(bench op, mode): {backend: score}}; later files win per key.
+    cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
+    for path in paths:
+        data = json.loads(path.read_text())
+        fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
+        for row in data["rows"]:
+            if row["backend"] not in ("helion", "triton") or row.get("error") or row["mode"] == "bwd":
+                continue
+            op = _OP_OF.get(row["op"], row["op"])
+            rows, n = dispatch_shape(op, row["m"], row["n"], row.get("k", 0))
+            score = _score(row, rows <= LATENCY_ROWS)
+            if score:
+                fresh[(op, rows, n, row["op"], row["mode"])][row["backend"]] = score
+        for (op, rows, n, variant, mode), by_backend in fresh.items():
+            if len(by_backend) == 2:
+                cells[(op, rows, n)][(variant, mode)] = by_backend
+    table: dict[str, Any] = {}
+    for op in sorted({key[0] for key in cells}):
+        points = sorted((n, rows) for (o, rows, n) in cells if o == op)
+        ns = sorted({n for n, _ in points})
+        buckets = []
+        for j, n in enumerate(ns):
+            rows_here = sorted(r for nn, r in points if nn == n)
+            for i, rows in enumerate(rows_here):
+                measured = cells[(op, rows, n)]
+                helion = sum(v["helion"] for v in measured.values())
+                triton = sum(v["triton"] for v in measured.values())
+                backend = "triton" if triton < TIE * helion else "helion"
+                unit = "µs per call" if rows <= LATENCY_ROWS else "ms"
+                buckets.append({
+                    "max_rows": rows if i + 1 < len(rows_here) else None,
+                    "max_n": n if j + 1 < len(ns) else None,
+                    "backend": backend,
+                    "measured": f"rows={rows} n={n}: helion {helion:.4g}, triton {triton:.4g} {unit} "
+                                f"({' + '.join(sorted(f'{v} {m}' for v, m in measured))})",
+                })
+        table[op] = buckets
+    return {"_about": "auto's backend per op and shape bucket, from python -m bench.auto_table "
+                      f"{' '.join(str(p) for p in paths)}", **table}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.auto_table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="bench results.json files, oldest first")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the table (JSON)")
+    args = parser.parse_args(argv)
+    table = build(args.results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n")
+    for op, buckets in table.items():
+        if op.startswith("_"):
+            continue
+        picks = ", ".join(f"{b['backend']}≤({b['max_rows']},{b['max_n']})" for b in buckets)
+        print(f"{op}: {picks}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
