@@ -1,12 +1,13 @@
 """``python -m bench``: which kernel to use on this GPU, how close it is to the hardware, and whether it is right.
 
 For each op × shape × mode × backend: the median GPU time (the call replayed as a CUDA graph, L2 flushed between
-replays; the per-call time from Python, host overhead included, is reported beside it in µs), the GB/s of the
-bytes the op must move and their share of the device-to-device copy bandwidth measured in the same run, the speed
-relative to PyTorch eager and torch.compile, the extra peak memory of a call, and the largest error against a
-float64 reference. Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion,
-triton and auto (hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel,
-when importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention). Writes results.csv,
+replays), the per-call latency from Python in µs (calls back to back: host overhead or GPU time, whichever is
+longer; ``--latency`` measures only that, the quick pass for decode shapes), the GB/s of the bytes the op must
+move and their share of the device-to-device copy bandwidth measured in the same run, the speed relative to
+PyTorch eager and torch.compile, the extra peak memory of a call, and the largest error against a float64
+reference. Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion, triton
+and auto (hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel, when
+importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention). Writes results.csv,
 results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
 
 ``python -m bench compare OLD.json NEW.json`` lists what got slower or faster beyond the noise of the two runs.
@@ -18,6 +19,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,7 +45,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="a smoke pass on two small shapes (the only mode on CPU)")
     p.add_argument(
-        "--no-graph", action="store_true", help="time per call from Python only (default: GPU time from CUDA graphs)"
+        "--latency",
+        "--no-graph",
+        dest="latency",
+        action="store_true",
+        help="only the per-call latency from Python (calls back to back), no CUDA-graph GPU time: ms is then the "
+        "latency; the fast pass for decode shapes",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib)")
     p.add_argument("--out", type=Path, default=None, help="where to write results (default: bench/results/<gpu>)")
@@ -144,12 +151,19 @@ def main(argv: list[str] | None = None) -> int:
                     if fn is None:
                         row.error = "not available here"
                         continue
+                    t0 = time.perf_counter()
                     try:
                         row.max_err, step = _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads)
-                        row.ms_eager = row.ms = harness.time_ms(step, device)
-                        row.us_call = row.ms_eager * 1e3
+                        if on_gpu:
+                            torch.cuda.synchronize(device)
+                        row.first_s = time.perf_counter() - t0
+                        # Interpreted kernels on CPU take tens of ms a call: 20 calls x 5 loops would stall the smoke.
+                        med, p20, p80 = harness.time_per_call(step, device, min_calls=20 if on_gpu else 1)
+                        row.ms = row.ms_eager = med
+                        row.spread, row.us_call = (p80 - p20) / med, med * 1e3
+                        row.timing = "per call (back to back)"
                         row.peak_mib = harness.peak_mib(step, device)
-                        if on_gpu and not args.no_graph:
+                        if on_gpu and not args.latency:
                             try:
                                 med, p20, p80 = harness.time_graph(step, device)
                                 row.ms, row.spread, row.timing = med, (p80 - p20) / med, "graph"
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         _rates(row, op, copy, itemsize)
                     except Exception as e:
                         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                    row.bench_s = time.perf_counter() - t0
                     harness.progress(i, total, _line(row))
             if "bwd" in modes:
                 by_mode["bwd"] = _backward_rows(by_mode, op, copy, itemsize)
@@ -174,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     report.write(out, rows, env, plots=not args.no_plots)
     print(f"\ncopy bandwidth {copy:.0f} GB/s; results in {out}/ (report.md, table.txt, results.csv/json, PNGs)\n")
     print(harness.table(rows))
+    first = sum(r.first_s or 0 for r in rows)
+    print(
+        f"benchmark time on rows: {sum(r.bench_s or 0 for r in rows):.0f} s, of which first calls (compiling) "
+        f"{first:.0f} s",
+        file=sys.stderr,
+    )
     failed = [r for r in rows if r.error and r.backend in ("helion", "triton", "auto")]
     for r in failed:
         print(f"hkernels failed: {r.op} {harness.shape_of(r)} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
@@ -236,9 +257,10 @@ def _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads):
         return ((view(got).double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
     if mode == "fwd":
-        with torch.no_grad():
-            err = max(rel(o, r) for o, r in zip(_outputs(fn(*inputs)), ref, strict=True))
-        return err, lambda: fn(*inputs)
+        # Grad mode as in the timed step (no input requires a gradient here, so no graph is recorded either way):
+        # torch.compile guards on it, and a check under no_grad compiled every shape a second time for the step.
+        outs = _outputs(fn(*inputs))
+        return max(rel(o.detach(), r) for o, r in zip(outs, ref, strict=True)), lambda: fn(*inputs)
     # Fresh copies that get gradients (a peer may write into its inputs: Liger's cross-entropy does).
     diff = op.diff
     ins = [t.detach().clone().requires_grad_(i in diff) if i in diff else t for i, t in enumerate(inputs)]
@@ -275,8 +297,9 @@ def _backward_rows(by_mode, op, copy, itemsize):
         if both.ms and f.ms and both.ms > f.ms:
             row.ms = both.ms - f.ms
             row.spread = ((both.spread or 0) * both.ms + (f.spread or 0) * f.ms) / row.ms
-            row.ms_eager = both.ms_eager - f.ms_eager if both.ms_eager and f.ms_eager else None
-            row.us_call = row.ms_eager * 1e3 if row.ms_eager else None
+            if both.ms_eager and f.ms_eager and both.ms_eager > f.ms_eager:
+                row.ms_eager = both.ms_eager - f.ms_eager
+                row.us_call = row.ms_eager * 1e3
             _rates(row, op, copy, itemsize)
             row.max_err, row.peak_mib = both.max_err, both.peak_mib
         else:
@@ -301,7 +324,10 @@ def _line(row) -> str:
     if row.error:
         return f"{what}: {row.error[:100]}"
     rate = f"{row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy)" if row.gbps else f"{row.tflops or 0:.0f} TFLOP/s"
-    return f"{what}: {row.ms:.4f} ms, {rate}, peak {row.peak_mib or 0:.0f} MiB, max err {row.max_err:.1e}"
+    return (
+        f"{what}: {row.ms:.4f} ms, {row.us_call or 0:.1f} µs/call, {rate}, peak {row.peak_mib or 0:.0f} MiB, "
+        f"max err {row.max_err:.1e} (first call {row.first_s or 0:.1f} s, row {row.bench_s or 0:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

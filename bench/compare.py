@@ -24,6 +24,10 @@ def _rows(path: Path) -> tuple[dict[tuple, dict], float]:
     return rows, copy
 
 
+def _graph(row: dict) -> bool:
+    return "graph" in str(row.get("timing", "graph"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__.split("\n\n")[0])
     p.add_argument("old", type=Path)
@@ -37,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     old, old_copy = _rows(args.old)
     new, new_copy = _rows(args.new)
     scale = 1.0 if args.raw else new_copy / old_copy  # a faster machine moment would make new times look better
-    common = sorted(set(old) & set(new))
+    # A per-call latency (--latency, or a failed graph capture) against a GPU time would read as a huge change.
+    common = sorted(k for k in set(old) & set(new) if _graph(old[k]) == _graph(new[k]))
+    mixed = len(set(old) & set(new)) - len(common)
     worse, better = [], []
     for key in common:
         o, n = old[key], new[key]
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         elif ratio < 1 / (1 + noise):
             better.append((ratio, line))
     print(f"{len(common)} rows in both runs; copy {old_copy:.0f} -> {new_copy:.0f} GB/s (times scaled by {scale:.3f})")
+    if mixed:
+        print(f"{mixed} rows skipped: GPU time (graph) in one run, per-call time in the other")
     only_old, only_new = len(set(old) - set(new)), len(set(new) - set(old))
     if only_old or only_new:
         print(f"{only_old} rows only in {args.old}, {only_new} only in {args.new}")

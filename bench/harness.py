@@ -27,9 +27,10 @@ class Row:
     mode: str
     backend: str
     k: int = 0  # a third size (matmul's K, attention's batch; see bench/ops.py), 0 for the others
-    ms: float | None = None  # GPU time: the call replayed as a CUDA graph, so host overhead is not counted
+    ms: float | None = None  # GPU time: the call replayed as a CUDA graph (else ms_eager: see timing)
     spread: float | None = None  # (p80 - p20) / median of ms: the noise of this row in this run
-    ms_eager: float | None = None  # per call, launched from Python: host overhead included where it dominates
+    # Per call from Python, calls back to back (time_per_call): max(host overhead, GPU time), what a caller waits
+    ms_eager: float | None = None
     us_call: float | None = None  # ms_eager in µs: the latency a caller sees at tiny shapes
     gbps: float | None = None
     pct_copy: float | None = None
@@ -39,16 +40,20 @@ class Row:
     peak_mib: float | None = None  # memory the call allocates beyond its inputs, at its peak (MiB)
     max_err: float | None = None  # max |out - float64 ref| / max |ref|, over y and every gradient
     timing: str = "per call"  # what ms is: "graph" (GPU time) or "per call"
+    first_s: float | None = None  # the row's first call (the correctness check): compile time, where it is new
+    bench_s: float | None = None  # wall time the benchmark spent on the row, first call included
     error: str = ""
 
 
-def time_quantiles(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
+def time_quantiles(
+    fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100
+) -> tuple[float, float, float]:
     """(median, p20, p80) milliseconds of ``fn``: CUDA events with L2 flushed between runs (do_bench), or a host
     clock on CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
         return float(med), float(p20), float(p80)
     fn()
     times = []
@@ -64,6 +69,41 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return time_quantiles(fn, device)[0]
 
 
+def time_per_call(
+    fn: Callable[[], object],
+    device: torch.device,
+    loop_ms: float = 50.0,
+    min_calls: int = 20,
+    max_calls: int = 2000,
+    loops: int = 5,
+) -> tuple[float, float, float]:
+    """(median, p20, p80) milliseconds per call of ``fn`` called back to back, over ``loops`` loops of N calls.
+
+    N makes a loop last about ``loop_ms`` (within [min_calls, max_calls]). Each loop is timed on the host clock
+    between two synchronizations, so a call costs max(its host work, its GPU time): the steady-state latency a
+    caller sees. Timing each call with CUDA events instead (do_bench) flushes L2 between calls, which hides the
+    host work of the next call behind the flush, so it is neither the GPU time nor the latency. The same inputs
+    every call: no fresh tensors, which would time the allocator too.
+    """
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def loop(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    # Warm-up that also finds the cost of a call: batches growing 4x until one lasts a tenth of a loop.
+    n = 1
+    while (elapsed := loop(n)) < loop_ms / 10 and n < max_calls:
+        n *= 4
+    calls = max(min_calls, min(max_calls, round(loop_ms * n / max(elapsed, 1e-6))))
+    times = sorted(loop(calls) / calls for _ in range(loops))
+    return times[len(times) // 2], times[round(0.2 * (len(times) - 1))], times[round(0.8 * (len(times) - 1))]
+
+
 def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     """MiB that one call of ``fn`` allocates beyond what was allocated before it, at its peak (CUDA only)."""
     if device.type != "cuda":
@@ -77,7 +117,8 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
 
 
 def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
-    """Median milliseconds of ``fn`` captured once as a CUDA graph and replayed (L2 flushed between replays).
+    """(median, p20, p80) milliseconds of ``fn`` captured once as a CUDA graph and replayed (L2 flushed between
+    replays).
 
     This is the GPU time of the kernels alone. Launched from Python, a call whose host work (argument checks,
     dispatch, autograd bookkeeping) takes longer than its kernels leaves the GPU idle, and per-call timing then
@@ -92,7 +133,15 @@ def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, f
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_quantiles(graph.replay, device)
+    # do_bench spends its 25 + 100 ms whatever a replay costs, the bulk of a decode-shape row's measuring. A replay
+    # under 0.2 ms gets 5 + 20 ms: still hundreds of samples (each also zeroes the 256 MB flush buffer, ~0.08 ms).
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    tiny = (time.perf_counter() - t0) * 1e3 / 10 < 0.2
+    return time_quantiles(graph.replay, device, *((5, 20) if tiny else (25, 100)))
 
 
 def copy_gbps(device: torch.device) -> float:

@@ -153,9 +153,11 @@ def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True
         "",
         "Times are GPU time (each call captured as a CUDA graph and replayed, L2 flushed between replays) unless a",
         "row says otherwise; GB/s counts the bytes each op must move. Speedups are geomeans of time ratios over",
-        "all shapes, and over shapes that move ≥ 64 MiB (the ones judged against the copy bandwidth).",
+        "all shapes, and over shapes that move ≥ 64 MiB (the ones judged against the copy bandwidth). The µs/call",
+        "column of table.txt is the latency a caller sees: the call from Python, back to back, median of 5 loops",
+        "(host overhead or GPU time, whichever is longer).",
         "",
-        f"Rows timed per call from Python instead (no GPU, --no-graph, or capture failed): "
+        f"Rows timed per call from Python instead (no GPU, --latency, or capture failed): "
         f"{sum(1 for r in rows if r.ms and 'graph' not in r.timing)} of {sum(1 for r in rows if r.ms)}.",
         "",
         "## Summary: speedup per op and backend",
