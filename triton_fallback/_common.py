@@ -8,6 +8,7 @@ twice (the second read often hits L2).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 
@@ -45,13 +46,59 @@ class RowSettings:
     programs_per_sm: int = 2  # persistent kernels: programs per multiprocessor
 
 
-def row_settings(n: int, m: int, backward: bool = False) -> RowSettings:
+@functools.lru_cache(maxsize=8)
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+# Settings the tune command is trying right now, by (op, "fwd"): they win over everything while it measures.
+searching: dict[tuple[str, str], RowSettings] = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _tuned_table(arch: str, op: str) -> dict[str, list[dict]]:
+    # Written by python -m hkernels.tune: {"fwd": [{"min_n": n, "max_n": n, "settings": {RowSettings fields}}]}.
+    from hkernels import configs  # torch-only: keeps this package importable without helion
+
+    path = configs.cache_dir() / "triton" / arch / f"{op}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tuned_row_settings(op: str, n: int, device: torch.device) -> RowSettings | None:
+    """The tune command's row settings for ``op``'s forward at rows of ``n`` on ``device``'s arch, if any."""
+    s = searching.get((op, "fwd"))
+    if s is not None:
+        return s
+    if device.type != "cuda":
+        return None
+    for bucket in _tuned_table(_arch(device.index if device.index is not None else torch.cuda.current_device()),
+                               op).get("fwd", []):
+        if bucket["min_n"] <= n <= bucket["max_n"]:
+            found = RowSettings(**bucket["settings"])
+            # A resident row must fit its block; anything else is a stale or foreign entry: ignored.
+            if not found.resident or found.block_n == triton.next_power_of_2(n):
+                return found
+    return None
+
+
+def row_settings(
+    n: int, m: int, backward: bool = False, op: str | None = None, device: torch.device | None = None
+) -> RowSettings:
     """Block shape and warps for M rows of N elements; ``backward`` for kernels that hold two rows (dy and y/x).
+    A forward that names its ``op`` and ``device`` takes tuned settings first (see :func:`tuned_row_settings`).
 
     Measured on the H200 (python -m bench.sweep, bf16, 16384 rows): about 8192 elements per program was best
     for the forward kernels (2 rows of 4096 with 8 warps: 89-90% of copy; 1 row of 8192 with 4 warps: 94-96%);
     long rows loop best over 8192-element chunks with 16 warps (softmax over 128256: 65%, pass 2 re-reads).
     """
+    if op is not None and device is not None and not backward:
+        tuned = tuned_row_settings(op, n, device)
+        if tuned is not None:
+            return tuned
     block_n = triton.next_power_of_2(n)
     max_resident = MAX_RESIDENT_BWD if backward else MAX_RESIDENT_FWD
     if interpreting():

@@ -214,7 +214,7 @@ def layer_norm_fwd(
     w = weight if weight is not None else x
     b = bias if bias is not None else x
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-    s = row_settings(N, M)
+    s = row_settings(N, M, op="layer_norm", device=x.device)
     if s.resident:
         _layer_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps,

@@ -209,7 +209,7 @@ def launch_fwd(
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     w = weight if weight is not None else x
     r, out = (residual, summed) if residual is not None else (x, x)  # unused stand-ins when there is no residual
-    s = row_settings(N, M)
+    s = row_settings(N, M, op="rms_norm" if residual is None else "add_rms_norm", device=x.device)
     if s.resident:
         _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),

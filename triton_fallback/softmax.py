@@ -108,7 +108,7 @@ def softmax_fwd(x: Tensor) -> Tensor:
     """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    s = row_settings(N, M)
+    s = row_settings(N, M, op="softmax", device=x.device)
     if s.resident:
         _softmax_fwd_kernel[(triton.cdiv(M, s.block_m),)](
             x, y, M, N, x.stride(0), y.stride(0), BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps

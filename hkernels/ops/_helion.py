@@ -9,7 +9,9 @@ and ``interpret`` in interpret mode, where large blocks make the interpreter fas
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import helion
@@ -84,8 +86,25 @@ def _arg_key(a: Any) -> Any:
     return (type(a), a)
 
 
+# While the tune command records (see record()): every Helion launch of the op it runs, as (kernel, args, n).
+_recording: list[tuple[Any, tuple[Any, ...], int]] | None = None
+
+
+@contextlib.contextmanager
+def record() -> Iterator[list[tuple[Any, tuple[Any, ...], int]]]:
+    """Collect the (kernel, args, n) of every Helion launch in the scope: which kernels an op runs, with what."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
 def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it."""
+    if _recording is not None:
+        _recording.append((kernel, args, n))
     key: tuple[Any, ...] | None = (kernel, n, *[_arg_key(a) for a in args])
     try:
         fn = _compiled.get(key)

@@ -1,0 +1,320 @@
+"""``python -m hkernels.tune --ops rms_norm,softmax --shapes 4096x4096,16384x8192``: tune on this GPU.
+
+For each op and shape (M×N, or M×N×K for matmul and attention, as in ``python -m bench``; inputs are the
+benchmark's, at the given dtype) it
+  1. runs the op forward and backward on Helion once and records which Helion kernels ran, with what arguments;
+     each is autotuned with Helion's autotuner (effort ``--effort``, precompilation off: with the default forked
+     precompile a tuning run on the H200 outlived its benchmark subprocesses' 30 s timeout, without it a quick
+     rms_norm search took 100 s and reached 98% of copy) and its best config is written for that row length;
+  2. searches the Triton forward's launch settings where it has a search space (the row-wise ops: rms_norm,
+     add_rms_norm, layer_norm, softmax), timing each candidate, and writes the fastest;
+  3. times the op on helion and on triton with what it just tuned (forward and forward+backward) and writes,
+     per shape, which backend ``auto`` should use.
+Everything goes to the user cache (``HKERNELS_CACHE_DIR``, else ``~/.cache/hkernels``; see ``hkernels.configs``),
+which the library then prefers to the shipped tables: ``helion/<arch>/<op>.json``, ``triton/<arch>/<op>.json``,
+``auto/<arch>.json``. Progress goes to stdout, one line per step. Without a GPU (interpret mode) it runs steps 2
+and 3 on tiny shapes, as a check of the command itself; Helion's autotuner needs a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Helion reads its settings when a kernel is defined: before any kernel module is imported.
+os.environ.setdefault("HELION_AUTOTUNE_PRECOMPILE", "")
+os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "quick")
+
+import argparse
+import datetime
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hkernels
+from hkernels import _interpret, configs
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ROW_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "softmax")  # the Triton forwards with a search space
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in text.lower().split("x")]
+    if len(parts) not in (2, 3) or min(parts) < 1:
+        raise ValueError(f"hkernels.tune: a shape is MxN or MxNxK with positive sizes, got {text!r}")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else 0
+
+
+class _Case:
+    """One op at one shape: its inputs (from the benchmark's builders) and calls that run it."""
+
+    def __init__(self, op: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+        from bench import ops as bench_ops  # the benchmark's input builders: one description of each op's inputs
+
+        if op not in bench_ops.OPS:
+            raise ValueError(f"hkernels.tune: unknown op {op!r}; ops are: {', '.join(sorted(bench_ops.OPS))}")
+        self.op, self.shape, self.spec = op, shape, bench_ops.OPS[op]
+        self.inputs = bench_ops.make_inputs(self.spec, shape, dtype, device)
+        self.name = f"{op} {'x'.join(str(s) for s in shape if s)} {str(dtype).removeprefix('torch.')}"
+
+    def forward(self) -> object:
+        with torch.no_grad():
+            return self.spec.kernel(*self.inputs)
+
+    def forward_backward(self) -> object:
+        leaves = [t.detach().requires_grad_(i in self.spec.diff) for i, t in enumerate(self.inputs)]
+        out = self.spec.kernel(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        total = sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+        if isinstance(total, torch.Tensor):
+            total.backward()
+        return out
+
+    def rows_n(self) -> tuple[int, int]:
+        """(rows, n) of the first input: how the auto table buckets a call (see hkernels.dispatch)."""
+        t = self.inputs[0]
+        return t.numel() // t.shape[-1], t.shape[-1]
+
+
+# ------------------------------------------------------------------------------------------------ Helion
+
+
+def tune_helion(case: _Case, arch: str, out: Path) -> list[str]:
+    """Autotune every Helion kernel the op runs at this shape; write their configs. Returns summary lines."""
+    from hkernels.ops import _helion
+
+    with hkernels.use_backend("helion"), _helion.record() as launches:
+        case.forward_backward()
+    seen: dict[tuple[str, int], tuple[Any, tuple[Any, ...]]] = {}
+    for kernel, args, n in launches:
+        seen.setdefault((kernel.name, n), (kernel, args))
+    lines = []
+    for i, ((name, n), (kernel, args)) in enumerate(seen.items(), 1):
+        dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+        _say(f"  helion {i}/{len(seen)}: autotuning {name} at n={n} ({os.environ['HELION_AUTOTUNE_EFFORT']} effort)")
+        t0 = time.perf_counter()
+        bound = kernel.bind(args)
+        config = bound.autotune(args, force=True)
+        elapsed = time.perf_counter() - t0
+        shipped = _helion._bucket(arch, name, n, dtype)
+        bucket = {"min_n": n, "max_n": n, "dtypes": [str(dtype).removeprefix("torch.")], "config": dict(config.config),
+                  "tuned": f"{case.name}, {datetime.date.today()}, {elapsed:.0f} s"}
+        if "programs_per_sm" in shipped:
+            bucket["programs_per_sm"] = shipped["programs_per_sm"]
+        _merge_buckets(out / "helion" / arch / f"{case.op}.json", name, bucket)
+        lines.append(f"helion {name} n={n}: {elapsed:.0f} s, {config}")
+        _say(f"  helion {i}/{len(seen)}: {name} done in {elapsed:.0f} s")
+    _helion.forget()
+    return lines
+
+
+def _merge_buckets(path: Path, kernel: str, bucket: dict[str, Any]) -> None:
+    table = _read(path)
+    same = (bucket["min_n"], bucket["max_n"], bucket["dtypes"])
+    kept = [b for b in table.get(kernel, []) if (b.get("min_n", 0), b["max_n"], b.get("dtypes")) != same]
+    table[kernel] = [bucket, *kept]
+    _write(path, table)
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+
+
+def _row_candidates(n: int) -> Iterator[Any]:
+    import triton
+
+    from triton_fallback._common import MAX_RESIDENT_FWD, RowSettings
+
+    block_n = triton.next_power_of_2(n)
+    if block_n <= MAX_RESIDENT_FWD:
+        for block_m, warps in itertools.product((1, 2, 4, 8), (4, 8, 16)):
+            if block_m * block_n <= 32768:
+                yield RowSettings(True, block_m, block_n, warps)
+    for chunk, warps in itertools.product((4096, 8192, 16384), (8, 16)):
+        if chunk < block_n:
+            yield RowSettings(False, 1, chunk, warps)
+
+
+def tune_triton(case: _Case, arch: str, out: Path, device: torch.device) -> list[str]:
+    """Search the Triton forward's row settings (row-wise ops only); write the fastest. Returns summary lines."""
+    import dataclasses
+
+    from triton_fallback import _common
+
+    if case.op not in ROW_OPS:
+        _say(f"  triton: no launch-setting search for {case.op} yet (its settings are the shipped heuristics)")
+        return [f"triton {case.op}: not searched"]
+    _, n = case.rows_n()
+    timed = []
+    candidates = list(_row_candidates(n))
+    with hkernels.use_backend("triton"):
+        default_ms = _time_ms(case.forward, device)
+        for i, cand in enumerate(candidates, 1):
+            _common.searching[(case.op, "fwd")] = cand
+            try:
+                ms = _time_ms(case.forward, device)
+            except Exception as e:  # a candidate that does not compile or run (shared memory, registers): skip it
+                _say(f"  triton {i}/{len(candidates)}: {cand} failed ({type(e).__name__})")
+                continue
+            finally:
+                _common.searching.pop((case.op, "fwd"), None)
+            timed.append((ms, cand))
+            _say(f"  triton {i}/{len(candidates)}: block {cand.block_m}x{cand.block_n}, {cand.num_warps} warps, "
+                 f"{'resident' if cand.resident else 'looped'}: {ms:.4f} ms")
+    if not timed:
+        return [f"triton {case.op}: every candidate failed"]
+    best_ms, best = min(timed, key=lambda t: t[0])
+    path = out / "triton" / arch / f"{case.op}.json"
+    table = _read(path)
+    kept = [b for b in table.get("fwd", []) if not (b["min_n"] <= n <= b["max_n"])]
+    table["fwd"] = [{"min_n": n, "max_n": n, "settings": dataclasses.asdict(best),
+                     "tuned": f"{case.name}: {best_ms:.4f} ms vs {default_ms:.4f} ms shipped, "
+                              f"{datetime.date.today()}"}, *kept]
+    _write(path, table)
+    _common._tuned_table.cache_clear()
+    return [f"triton {case.op} fwd n={n}: {best} {best_ms:.4f} ms (shipped heuristic {default_ms:.4f} ms)"]
+
+
+# ------------------------------------------------------------------------------------------------ auto
+
+
+def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
+    """Forward + forward-and-backward time (ms) of each kernel backend with the tables as they are now."""
+    times = {}
+    for backend in ("helion", "triton"):
+        with hkernels.use_backend(backend):
+            times[backend] = _time_ms(case.forward, device) + _time_ms(case.forward_backward, device)
+    return times
+
+
+def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]], arch: str, out: Path) -> None:
+    """Per op, buckets around every shape measured so far (this run's and earlier runs', kept under "_points"):
+    ascending n, then rows, the last of each open-ended; the faster backend in each (Triton must win by 1% to
+    displace Helion, the primary path)."""
+    path = out / "auto" / f"{arch}.json"
+    table = _read(path)
+    kept = table.setdefault("_points", {})
+    for op, new_points in measured.items():
+        by_shape = {(p[0], p[1]): p for p in kept.get(op, [])}
+        for rows, n, t, name in new_points:
+            by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}"]
+        points = sorted(by_shape.values())
+        kept[op] = points
+        ns = sorted({p[1] for p in points})
+        buckets = []
+        for j, n in enumerate(ns):
+            here = [p for p in points if p[1] == n]
+            for i, (rows, _, helion, triton, name) in enumerate(here):
+                buckets.append({
+                    "max_rows": rows if i + 1 < len(here) else None,
+                    "max_n": n if j + 1 < len(ns) else None,
+                    "backend": "triton" if triton < 0.99 * helion else "helion",
+                    "measured": f"{name}: helion {helion:.4g}, triton {triton:.4g} ms (fwd + fwd_bwd)",
+                })
+        table[op] = buckets
+    _write(path, table)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _write(path: Path, table: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n")
+    tmp.replace(path)  # readers never see half a file
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hkernels.tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", required=True, help="comma-separated ops (as in python -m bench)")
+    parser.add_argument("--shapes", required=True, help="comma-separated MxN or MxNxK (as in python -m bench)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    parser.add_argument("--steps", default="helion,triton,auto", help="any of helion, triton, auto")
+    parser.add_argument("--out", type=Path, default=None, help="cache directory (default: the user cache)")
+    args = parser.parse_args(argv)
+
+    out = args.out or configs.cache_dir()
+    os.environ["HKERNELS_CACHE_DIR"] = str(out)  # this process reads back what it writes
+    steps = {s.strip() for s in args.steps.split(",") if s.strip()}
+    if not steps <= {"helion", "triton", "auto"}:
+        parser.error(f"--steps takes helion, triton, auto; got {args.steps!r}")
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        arch = configs.cuda_arch(device)
+    elif _interpret.enabled():
+        device, arch = torch.device("cpu"), "interpret"
+        if "helion" in steps:
+            _say("no GPU: skipping Helion autotuning (its autotuner benchmarks on a GPU); interpret mode runs the rest")
+            steps.discard("helion")
+    else:
+        parser.error("needs a CUDA GPU (or HKERNELS_INTERPRET=1 to check the command itself on a CPU)")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    try:
+        shapes = [_parse_shape(s) for s in args.shapes.split(",") if s.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    cases = [(op, shape) for op in ops for shape in shapes]
+    _say(f"hkernels.tune on {arch} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}): "
+         f"{len(cases)} case(s), steps {', '.join(sorted(steps))}; writing to {out}")
+    summary: list[str] = []
+    measured: dict[str, list[tuple[int, int, dict[str, float], str]]] = {}
+    failed = 0
+    for i, (op, shape) in enumerate(cases, 1):
+        t0 = time.perf_counter()
+        try:
+            case = _Case(op, shape, _DTYPES[args.dtype], device)
+            _say(f"[{i}/{len(cases)}] {case.name}")
+            if "helion" in steps:
+                summary += tune_helion(case, arch, out)
+            if "triton" in steps:
+                summary += tune_triton(case, arch, out, device)
+            configs.reload()
+            if "auto" in steps:
+                times = measure_backends(case, device)
+                rows, n = case.rows_n()
+                measured.setdefault(op, []).append((rows, n, times, case.name))
+                summary.append(f"auto {case.name}: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms")
+                _say(f"  auto: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms (fwd + fwd_bwd)")
+        except Exception as e:  # one case failing must not lose the others' results
+            failed += 1
+            summary.append(f"FAILED {op} {shape}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            _say(f"  failed: {type(e).__name__}: {e}")
+        _say(f"[{i}/{len(cases)}] done in {time.perf_counter() - t0:.0f} s")
+    if measured:
+        write_auto(measured, arch, out)
+    configs.reload()
+    _say("\n".join(["", "summary:", *summary]))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # Helion's autotuner may start worker processes: keep the work under this guard
+    raise SystemExit(main())
