@@ -78,6 +78,8 @@ def _call(opdef: Any, *args: Any) -> Any:
     op, which raises its clear error; so does an op that mutates an input, whose version counter the custom op
     bumps (a kernel writing through a pointer would not: a second backward over a gradient scaled in place must
     fail, not reuse it)."""
+    if torch.compiler.is_compiling():  # first: Dynamo must not trace the lookups below (a schema is untraceable)
+        return opdef(*args)
     mutates = _MUTATES.get(opdef)
     if mutates is None:
         mutates = _MUTATES[opdef] = bool(opdef._opoverload._schema.is_mutable)
