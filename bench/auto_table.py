@@ -3,7 +3,7 @@
 For each op and each measured shape it compares Helion's and Triton's times (the sum over the modes measured:
 forward and forward+backward, or per-call latency for decode-sized rows, where the host's work is what a caller
 waits for) and writes which backend to use for the shapes around it. The dispatcher reads the table
-(``hkernels/configs/<arch>/auto.json``, or the tune command's copy in the user cache) to resolve ``auto``.
+(``hkernels/configs/auto/<arch>.json``, or the tune command's copy in the user cache) to resolve ``auto``.
 
 Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
 ``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers

@@ -3,7 +3,8 @@
 For each op and shape (M×N, or M×N×K for matmul and attention, as in ``python -m bench``; inputs are the
 benchmark's, at the given dtype) it
   1. runs the op forward and backward on Helion once and records which Helion kernels ran, with what arguments;
-     each is autotuned with Helion's autotuner (effort ``--effort``, precompilation off: with the default forked
+     each is autotuned with Helion's autotuner (``HELION_AUTOTUNE_EFFORT``, default here quick; precompilation
+     off unless ``HELION_AUTOTUNE_PRECOMPILE`` says otherwise: with the default forked
      precompile a tuning run on the H200 outlived its benchmark subprocesses' 30 s timeout, without it a quick
      rms_norm search took 100 s and reached 98% of copy) and its best config is written for that row length;
   2. searches the Triton forward's launch settings where it has a search space (the row-wise ops: rms_norm,
@@ -193,6 +194,7 @@ def tune_triton(case: _Case, arch: str, out: Path, device: torch.device) -> list
                               f"{datetime.date.today()}"}, *kept]
     _write(path, table)
     _common._tuned_table.cache_clear()
+    _common._row_settings_cached.cache_clear()
     return [f"triton {case.op} fwd n={n}: {best} {best_ms:.4f} ms (shipped heuristic {default_ms:.4f} ms)"]
 
 

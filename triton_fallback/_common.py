@@ -90,6 +90,24 @@ def row_settings(
 ) -> RowSettings:
     """Block shape and warps for M rows of N elements; ``backward`` for kernels that hold two rows (dy and y/x).
     A forward that names its ``op`` and ``device`` takes tuned settings first (see :func:`tuned_row_settings`).
+    Remembered per arguments (the host work of a decode-size call is what a caller waits for), except while the
+    tune command is searching."""
+    if searching:
+        return _row_settings(n, m, backward, op, device)
+    return _row_settings_cached(n, m, backward, op, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_settings_cached(
+    n: int, m: int, backward: bool, op: str | None, device: torch.device | None
+) -> RowSettings:
+    return _row_settings(n, m, backward, op, device)
+
+
+def _row_settings(
+    n: int, m: int, backward: bool = False, op: str | None = None, device: torch.device | None = None
+) -> RowSettings:
+    """The settings themselves (see row_settings).
 
     Measured on the H200 (python -m bench.sweep, bf16, 16384 rows): about 8192 elements per program was best
     for the forward kernels (2 rows of 4096 with 8 warps: 89-90% of copy; 1 row of 8192 with 4 warps: 94-96%);

@@ -6,9 +6,11 @@ Shipped with the package (``hkernels/configs/``):
   ``auto/<arch>.json``   the ``auto`` backend's choice: ``{op: [{"max_rows", "max_n", "backend", "measured"}, ...]}``
                          (made by ``python -m bench.auto_table`` from H200 benchmarks).
 Written by ``python -m hkernels.tune`` on the user's GPU, in the user cache (``HKERNELS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/hkernels``, else ``~/.cache/hkernels``): ``helion/<arch>/<op>.json`` and ``auto/<arch>.json``, same
-formats. A user Helion bucket list is tried before the shipped one of the same kernel; a user auto table replaces
-the shipped entry of each op it names. Arch names are ``sm<major><minor>``; ``interpret`` in interpret mode.
+``$XDG_CACHE_HOME/hkernels``, else ``~/.cache/hkernels``): ``helion/<arch>/<op>.json`` and ``auto/<arch>.json``,
+same formats, and ``triton/<arch>/<op>.json`` (searched Triton launch settings, read by
+``triton_fallback/_common.py``). A user Helion bucket list is tried before the shipped one of the same kernel; a
+user auto table replaces the shipped entry of each op it names. Arch names are ``sm<major><minor>``;
+``interpret`` in interpret mode.
 """
 
 from __future__ import annotations
@@ -92,5 +94,11 @@ def auto_table(arch: str) -> dict[str, tuple[dict[str, Any], ...]]:
 
 def reload() -> None:
     """Forget the tables read so far (after the tune command wrote new ones in this process)."""
+    import sys
+
     helion_table.cache_clear()
     auto_table.cache_clear()
+    common = sys.modules.get("triton_fallback._common")
+    if common is not None:
+        common._tuned_table.cache_clear()
+        common._row_settings_cached.cache_clear()
