@@ -61,13 +61,25 @@ def _autograd(opdef: Any, backward: Any, setup: Any) -> None:
 
 
 def _plain(args: tuple[Any, ...]) -> bool:
-    """True when nothing the custom-op layer exists for is in play: not tracing or compiling, no functorch
-    transform (vmap, grad), no dispatch or function mode (FakeTensorMode, ``with torch.device(...)``), no tensor
-    subclass (DTensor, FakeTensor)."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+    """True when nothing the custom-op layer exists for is in play (the caller has ruled out compiling): no
+    functorch transform (vmap, grad), no dispatch or function mode (FakeTensorMode, ``with torch.device(...)``), no
+    tensor subclass (DTensor, FakeTensor)."""
+    if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    for a in args:  # noqa: SIM110 (a loop, not all(...): no generator per call; host time counts at decode shapes)
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
+
+
+def _wants_grad(args: tuple[Any, ...]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:  # noqa: SIM110 (as in _plain)
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    return False
 
 
 def _call(opdef: Any, *args: Any) -> Any:
@@ -84,7 +96,7 @@ def _call(opdef: Any, *args: Any) -> Any:
     if mutates is None:
         mutates = _MUTATES[opdef] = bool(opdef._opoverload._schema.is_mutable)
     if not mutates and _plain(args):
-        if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        if not _wants_grad(args):
             return opdef._init_fn(*args)
         eager = _EAGER.get(opdef)
         if eager is not None:
@@ -93,8 +105,8 @@ def _call(opdef: Any, *args: Any) -> Any:
 
 
 def _as_rows(x: Tensor) -> Tensor:
-    """[..., N] -> [M, N] (reshape(-1, N) is ambiguous when N = 0)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    """[..., N] -> [M, N] (reshape(-1, N) is ambiguous when N = 0); a 2-D x as it is (a reshape costs host time)."""
+    return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -189,7 +201,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     _check_input("rms_norm", x)
     _check_param("rms_norm", "weight", weight, x)
     y, _ = _call(_rms_norm_fwd, _as_rows(x), weight, float(eps), _request("rms_norm"))
-    return y.reshape(x.shape)
+    return y if y.shape == x.shape else y.reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------------- layer_norm
@@ -257,7 +269,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     _check_param("layer_norm", "weight", weight, x)
     _check_param("layer_norm", "bias", bias, x)
     y, _, _ = _call(_layer_norm_fwd, _as_rows(x), weight, bias, float(eps), _request("layer_norm"))
-    return y.reshape(x.shape)
+    return y if y.shape == x.shape else y.reshape(x.shape)
 
 
 # ------------------------------------------------------------------------------------------------ softmax
@@ -405,7 +417,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if gate.dim() == 0:
         return swiglu(gate.reshape(1), up.reshape(1)).reshape(())
     y = _call(_swiglu_fwd, _as_rows(gate), _as_rows(up), _request("swiglu"))
-    return y.reshape(gate.shape)
+    return y if y.shape == gate.shape else y.reshape(gate.shape)
 
 
 _GELU_FORMS = ("tanh", "none")
@@ -464,7 +476,7 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
     if gate.dim() == 0:
         return geglu(gate.reshape(1), up.reshape(1), approximate).reshape(())
     y = _call(_geglu_fwd, _as_rows(gate), _as_rows(up), approximate, _request("geglu"))
-    return y.reshape(gate.shape)
+    return y if y.shape == gate.shape else y.reshape(gate.shape)
 
 
 # ------------------------------------------------------------------------------------------------------ rope
@@ -644,6 +656,8 @@ def add_rms_norm(
     _check_same("add_rms_norm", ("x", "residual"), x, residual)
     _check_param("add_rms_norm", "weight", weight, x)
     y, s, _ = _call(_add_rms_norm_fwd, _as_rows(x), _as_rows(residual), weight, float(eps), _request("add_rms_norm"))
+    if y.shape == x.shape:
+        return y, s
     return y.reshape(x.shape), s.reshape(x.shape)
 
 
