@@ -59,6 +59,18 @@ def _triton_ce(cand: Candidate) -> Callable[[], None]:
     return undo
 
 
+def _triton_ce_xt(cand: Candidate) -> Callable[[], None]:
+    import triton_fallback.cross_entropy as ce
+
+    saved = ce.GRAD_XT
+    ce.GRAD_XT = cand["xt"]
+
+    def undo() -> None:
+        ce.GRAD_XT = saved
+
+    return undo
+
+
 def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     import hkernels.ops.cross_entropy as h_ce
     import triton_fallback.cross_entropy as t_ce
@@ -75,6 +87,11 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     ]
     yield ("triton cross_entropy fwd+grad", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, triton_cands, _triton_ce)
+    # x[target] with the gradient written over the logits (as the linear loss does): the race-free reduction
+    # (shipped) against one load and a barrier; the shipped launch settings.
+    yield ("triton cross_entropy in-place x_t", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0,
+                                                                           logits),
+           nbytes, [{"xt": "reduce"}, {"xt": "barrier"}], _triton_ce_xt)
     helion_cands = [
         {"block_sizes": [1, b, b], "num_warps": w, "range_num_stages": [0, s, s], "pid_type": pid,
          **({"num_sm_multiplier": p} if pid != "flat" else {})}

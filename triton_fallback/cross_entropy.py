@@ -34,7 +34,7 @@ def _cross_entropy_fwd_kernel(
     loss_ptr,  # [T] float32 out
     grad_ptr,  # [T, V] out (logits' dtype), when HAS_GRAD
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing,
-    HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
 ):
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
@@ -56,22 +56,26 @@ def _cross_entropy_fwd_kernel(
             row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
             row_max = new_max
             x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
-            if HAS_GRAD:
+            if HAS_GRAD and not XT_BARRIER:
                 # x_t picked out in passing, inside the block's reductions. A separate load of x[t] after pass 1
                 # races with pass 2 when the gradient overwrites the logits: another warp may store the gradient
-                # over x[t] before this warp's load is served (no barrier orders them). Seen on the H200: float32
+                # over x[t] before this warp's load is served (nothing orders them). Seen on the H200: float32
                 # linear-loss losses off by 5e-5-1e-3, varying run to run. The extra reduction costs: fwd+bwd at
-                # 8192 × 128256 bf16 went from 54% to 43% of copy (a cheaper ordering is the next step).
+                # 8192 × 128256 bf16 went from 54% to 43% of copy.
                 x_t += tl.sum(tl.where(cols == t, x, 0.0), axis=0)
         lse = row_max + tl.log(row_sum)
-        if HAS_GRAD:
+        if HAS_GRAD and not XT_BARRIER:
             x_t = tl.where(valid & in_range, x_t, 0.0)
-        else:  # nothing is written over the logits: the one load is safe and cheaper than a fourth reduction
+        else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
         loss = lse - (1.0 - smoothing) * x_t - smoothing / V * x_sum
         loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + row64, loss)
         if HAS_GRAD:
+            if XT_BARRIER:
+                # Every warp's x[t] load is performed before the barrier completes (bar.sync orders the CTA's
+                # memory accesses), so no pass-2 store can overwrite x[t] under it. Not yet measured on the H200.
+                tl.debug_barrier()
             # Pass 2: the row again (from L2 when few rows are in flight), the gradient out.
             s = tl.load(scale_ptr + row64 * stride_scale).to(tl.float32)
             s = tl.where(valid, tl.where(in_range, s, float("nan")), 0.0)
@@ -121,6 +125,13 @@ def _settings(v: int) -> tuple[int, int, int, int]:
     return block, max(4, min(8, block // 1024)), 2, 2
 
 
+# How the forward with a gradient reads x[target] safely when the gradient overwrites the logits: "reduce" (picked
+# out inside pass 1's reductions: race-free on the H200's tests, costs a fourth reduction per block) or "barrier"
+# (one load, then a barrier before pass 2: cheaper by reasoning, to be measured and tested on the H200 before it
+# becomes the default).
+GRAD_XT = "reduce"
+
+
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
 ) -> Tensor:
@@ -135,7 +146,8 @@ def cross_entropy_fwd(
         logits, target, scale, loss, grad if grad is not None else loss,
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
         ignore_index, label_smoothing,
-        HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, num_warps=warps,
+        HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
+        num_warps=warps,
     )
     return loss
 
