@@ -257,11 +257,15 @@ def _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads):
         return ((view(got).double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
     if mode == "fwd":
+        # Fresh copies, in the same layout (clone keeps the strides): a peer may write into its inputs, and the timed
+        # step calls it thousands of times on them. Liger's rope rotates q and k in place when q.transpose(1, 2) is
+        # contiguous (HF's layout, bench/ops.py's _rope): shared, every later row's inputs were not the reference's.
+        ins = [t.detach().clone() for t in inputs]
         # Grad mode as in the timed step (no input requires a gradient here, so no graph is recorded either way):
         # torch.compile guards on it, and a check under no_grad compiled every shape a second time for the step.
-        outs = _outputs(fn(*inputs))
-        return max(rel(o.detach(), r) for o, r in zip(outs, ref, strict=True)), lambda: fn(*inputs)
-    # Fresh copies that get gradients (a peer may write into its inputs: Liger's cross-entropy does).
+        outs = _outputs(fn(*ins))
+        return max(rel(o.detach(), r) for o, r in zip(outs, ref, strict=True)), lambda: fn(*ins)
+    # Fresh copies that get gradients (a peer may write into its inputs: Liger's cross-entropy and rope do).
     diff = op.diff
     ins = [t.detach().clone().requires_grad_(i in diff) if i in diff else t for i, t in enumerate(inputs)]
     wrt = [ins[i] for i in diff]
