@@ -7,8 +7,8 @@ waits for) and writes which backend to use for the shapes around it. The dispatc
 
 Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
 ``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers
-a call wins, so buckets are written by ascending n, then ascending rows. Later result files override earlier ones
-for the same shape (give the newest last).
+a call wins, so buckets are written by ascending n, then ascending rows. A later result file replaces an earlier
+one's numbers for the same shape entirely (give the newest last).
 """
 
 from __future__ import annotations
@@ -57,9 +57,13 @@ def build(paths: list[Path]) -> dict[str, Any]:
             score = _score(row, rows <= LATENCY_ROWS)
             if score:
                 fresh[(op, rows, n, row["op"], row["mode"])][row["backend"]] = score
+        # A later file replaces a shape's whole cell: one run's numbers, one timing method (never fwd from one
+        # run summed with fwd_bwd from another).
+        per_cell: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
         for (op, rows, n, variant, mode), by_backend in fresh.items():
             if len(by_backend) == 2:
-                cells[(op, rows, n)][(variant, mode)] = by_backend
+                per_cell[(op, rows, n)][(variant, mode)] = by_backend
+        cells.update(per_cell)
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
         points = sorted((n, rows) for (o, rows, n) in cells if o == op)

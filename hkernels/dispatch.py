@@ -10,7 +10,7 @@ What a call asks for, strongest first:
      per-op overrides, e.g. ``HKERNELS_BACKEND=helion,softmax=triton``;
   3. ``auto``.
 ``auto`` runs CUDA tensors on the backend measured faster for the op and shape bucket on this GPU arch (the
-shipped table ``hkernels/configs/auto/<arch>.json``, or the tune command's in the user cache), on helion where
+tune command's buckets in the user cache first, then the shipped ``hkernels/configs/auto/<arch>.json``), on helion where
 nothing was measured, falling back to triton (one warning per op and reason) when Helion cannot compile or run
 the input; CPU tensors run on torch (in interpret mode, CPU tensors take the CUDA path, helion first). A
 backend asked for by name that cannot run the call raises :class:`BackendUnavailableError`, naming the op, the
@@ -262,7 +262,7 @@ def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, 
     rows, n = _shape_key(tensors)
     for bucket in buckets:
         if (bucket["max_rows"] is None or rows <= bucket["max_rows"]) and (
-                bucket["max_n"] is None or n <= bucket["max_n"]):
+                bucket["max_n"] is None or n <= bucket["max_n"]) and n >= bucket.get("min_n", 0):
             return arch, bucket
     return None
 
@@ -290,15 +290,16 @@ def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) ->
     if request == "auto" and tensors:
         found = _bucket(op, tensors)  # the measured choice depends on the shape: it joins the key
         key = (*key, None if found is None else found[1]["backend"])
-    found = _routes.get(key)
-    if found is not None and not (found[0] == "helion" and request == "auto" and _helion_failures
-                                  and _signature(fn, tensors) in _helion_failures):
+    failed = request == "auto" and bool(_helion_failures) and _signature(fn, tensors) in _helion_failures
+    found = None if failed else _routes.get(key)
+    if found is not None:
         return found
     backend, _ = select(op, request, tensors, fn)
     module = _module(backend, op)
     assert not isinstance(module, str)
     found = (backend, module)
-    if len(_routes) < 4096:  # bounded: the key space is small (ops × requests × dtypes), but never unbounded
+    # A fallback chosen for one failing shape is not kept: the key has no shape, other shapes still run on Helion.
+    if not failed and len(_routes) < 4096:  # bounded: the key space is small (ops × requests × dtypes)
         _routes[key] = found
     return found
 
@@ -352,6 +353,9 @@ class Selection(str):
         self = super().__new__(cls, backend)
         self.reason = reason
         return self
+
+    def __getnewargs__(self) -> tuple[str, str]:  # pickle and copy rebuild it with its reason
+        return str(self), self.reason
 
 
 def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:

@@ -63,10 +63,10 @@ def _autograd(opdef: Any, backward: Any, setup: Any) -> None:
 def _plain(args: tuple[Any, ...]) -> bool:
     """True when nothing the custom-op layer exists for is in play (the caller has ruled out compiling): no
     functorch transform (vmap, grad), no dispatch or function mode (FakeTensorMode, ``with torch.device(...)``), no
-    tensor subclass (DTensor, FakeTensor)."""
+    ``torch.jit.trace``, no tensor subclass (DTensor, FakeTensor)."""
     if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
-        return False
+            or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state() is not None):
+        return False  # (torch.jit.trace records custom ops, not what runs inside them)
     for a in args:  # noqa: SIM110 (a loop, not all(...): no generator per call; host time counts at decode shapes)
         if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
             return False

@@ -9,8 +9,9 @@ benchmark's, at the given dtype) it
      rms_norm search took 100 s and reached 98% of copy) and its best config is written for that row length;
   2. searches the Triton forward's launch settings where it has a search space (the row-wise ops: rms_norm,
      add_rms_norm, layer_norm, softmax), timing each candidate, and writes the fastest;
-  3. times the op on helion and on triton with what it just tuned (forward and forward+backward) and writes,
-     per shape, which backend ``auto`` should use.
+  3. times the op on helion and on triton with what it just tuned (forward and forward+backward; per-call latency
+     at ≤ 64 rows) and writes, per row length and rows, which backend ``auto`` should use (tried before the
+     shipped buckets).
 Everything goes to the user cache (``HKERNELS_CACHE_DIR``, else ``~/.cache/hkernels``; see ``hkernels.configs``),
 which the library then prefers to the shipped tables: ``helion/<arch>/<op>.json``, ``triton/<arch>/<op>.json``,
 ``auto/<arch>.json``. Progress goes to stdout, one line per step. Without a GPU (interpret mode) it runs steps 2
@@ -201,18 +202,30 @@ def tune_triton(case: _Case, arch: str, out: Path, device: torch.device) -> list
 # ------------------------------------------------------------------------------------------------ auto
 
 
+LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare per-call latency (as bench.auto_table)
+
+
 def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
-    """Forward + forward-and-backward time (ms) of each kernel backend with the tables as they are now."""
+    """Forward + forward-and-backward time of each kernel backend with the tables as they are now: GPU time (ms),
+    or at decode-size rows the per-call latency (µs) of calls back to back, which is what a caller waits for."""
+    from bench.harness import time_per_call
+
+    rows, _ = case.rows_n()
+    if rows <= LATENCY_ROWS:
+        timer = lambda fn: time_per_call(fn, device)[0] * 1e3
+    else:
+        timer = lambda fn: _time_ms(fn, device)
     times = {}
     for backend in ("helion", "triton"):
         with hkernels.use_backend(backend):
-            times[backend] = _time_ms(case.forward, device) + _time_ms(case.forward_backward, device)
+            times[backend] = timer(case.forward) + timer(case.forward_backward)
     return times
 
 
 def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]], arch: str, out: Path) -> None:
     """Per op, buckets around every shape measured so far (this run's and earlier runs', kept under "_points"):
-    ascending n, then rows, the last of each open-ended; the faster backend in each (Triton must win by 1% to
+    exact in n (a model's row lengths are fixed; other lengths keep the shipped buckets, which the dispatcher tries
+    after these), ascending rows, the last open-ended; the faster backend in each (Triton must win by 1% to
     displace Helion, the primary path)."""
     path = out / "auto" / f"{arch}.json"
     table = _read(path)
@@ -223,16 +236,16 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
             by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}"]
         points = sorted(by_shape.values())
         kept[op] = points
-        ns = sorted({p[1] for p in points})
         buckets = []
-        for j, n in enumerate(ns):
+        for n in sorted({p[1] for p in points}):
             here = [p for p in points if p[1] == n]
             for i, (rows, _, helion, triton, name) in enumerate(here):
+                unit = "µs per call (fwd + fwd_bwd latency)" if rows <= LATENCY_ROWS else "ms (fwd + fwd_bwd)"
                 buckets.append({
                     "max_rows": rows if i + 1 < len(here) else None,
-                    "max_n": n if j + 1 < len(ns) else None,
+                    "min_n": n, "max_n": n,  # exact in n: other row lengths keep the shipped buckets
                     "backend": "triton" if triton < 0.99 * helion else "helion",
-                    "measured": f"{name}: helion {helion:.4g}, triton {triton:.4g} ms (fwd + fwd_bwd)",
+                    "measured": f"{name}: helion {helion:.4g}, triton {triton:.4g} {unit}",
                 })
         table[op] = buckets
     _write(path, table)

@@ -304,3 +304,43 @@ def test_selected_backend_says_why(device):
     with hkernels.use_backend("triton"):
         assert hkernels.selected_backend("softmax", x).reason == "asked for by name"
     assert hkernels.selected_backend("softmax", x.cpu().double()).reason.startswith("auto")
+
+
+def test_fallback_for_one_row_length_does_not_spread(monkeypatch, device):
+    """A Helion failure is remembered for its (dtype, row length); other row lengths keep running on Helion, and
+    selected_backend says the same as what runs (the route cache must not keep the one shape's fallback)."""
+    module = importlib.import_module("hkernels.ops.rms_norm")
+    real = module.rms_norm_fwd
+
+    def fails_at_64(x, *rest):
+        if x.shape[-1] == 64:
+            raise RuntimeError("simulated failure at N = 64")
+        return real(x, *rest)
+
+    monkeypatch.setattr(module, "rms_norm_fwd", fails_at_64)
+    helion_calls = _spy(monkeypatch, "helion", "rms_norm", "rms_norm_fwd")
+    narrow, wide = torch.randn(4, 64, device=device), torch.randn(4, 128, device=device)
+    with pytest.warns(hkernels.HKernelsFallbackWarning):
+        hkernels.rms_norm(narrow)
+    hkernels.rms_norm(narrow)  # the fallback, again (now remembered)
+    assert hkernels.selected_backend("rms_norm", narrow) == "triton"
+    before = len(helion_calls)
+    torch.testing.assert_close(hkernels.rms_norm(wide), reference.rms_norm(wide))
+    assert hkernels.selected_backend("rms_norm", wide) == "helion" and len(helion_calls) == before + 1
+
+
+def test_selection_survives_copy_and_pickle(device):
+    import copy
+    import pickle
+
+    chosen = hkernels.selected_backend("softmax", _x(device))
+    for clone in (copy.copy(chosen), copy.deepcopy(chosen), pickle.loads(pickle.dumps(chosen))):
+        assert clone == chosen and clone.reason == chosen.reason
+
+
+def test_jit_trace_records_the_custom_op(device):
+    """torch.jit.trace records custom ops, not what runs inside them: a traced call must go through the op."""
+    x = _x(device)
+    traced = torch.jit.trace(lambda t: hkernels.softmax(t), (x,), check_trace=False)
+    assert "hkernels::softmax_fwd" in str(traced.graph)
+    torch.testing.assert_close(traced(x), reference.softmax(x))

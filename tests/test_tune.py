@@ -23,6 +23,7 @@ def test_tune_writes_tables_the_library_then_uses(tmp_path, monkeypatch, device,
         table = json.loads((tmp_path / "auto" / f"{arch}.json").read_text())
         (bucket,) = table["rms_norm"]
         assert bucket["backend"] in ("helion", "triton") and bucket["max_rows"] is None
+        assert bucket["min_n"] == bucket["max_n"] == 64  # exact in n: other row lengths keep the shipped buckets
         assert table["_points"]["rms_norm"][0][:2] == [4, 64]
         chosen = hkernels.selected_backend("rms_norm", torch.randn(4, 64, device=device), None)
         assert chosen == bucket["backend"] and "tuned table" in chosen.reason

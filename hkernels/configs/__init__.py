@@ -9,7 +9,7 @@ Written by ``python -m hkernels.tune`` on the user's GPU, in the user cache (``H
 ``$XDG_CACHE_HOME/hkernels``, else ``~/.cache/hkernels``): ``helion/<arch>/<op>.json`` and ``auto/<arch>.json``,
 same formats, and ``triton/<arch>/<op>.json`` (searched Triton launch settings, read by
 ``triton_fallback/_common.py``). A user Helion bucket list is tried before the shipped one of the same kernel; a
-user auto table replaces the shipped entry of each op it names. Arch names are ``sm<major><minor>``;
+user auto bucket list is tried before the shipped one of its op. Arch names are ``sm<major><minor>``;
 ``interpret`` in interpret mode.
 """
 
@@ -81,14 +81,14 @@ def helion_table(arch: str) -> dict[str, list[dict[str, Any]]]:
 
 @functools.lru_cache(maxsize=16)
 def auto_table(arch: str) -> dict[str, tuple[dict[str, Any], ...]]:
-    """The auto backend's buckets per op for ``arch`` (shipped, each op replaced by the user's table where it has
-    one); empty for an arch nobody measured."""
+    """The auto backend's buckets per op for ``arch``: the user's (tuned) first, then the shipped ones; empty for
+    an arch nobody measured. A bucket may bound n from below with ``min_n`` (the tune command's are exact in n)."""
     table: dict[str, tuple[dict[str, Any], ...]] = {}
     for source, data in (("shipped", _read(resources.files(__name__).joinpath("auto", f"{arch}.json"))),
                          ("tuned", _read(cache_dir() / "auto" / f"{arch}.json"))):
         for op, buckets in data.items():
-            if not op.startswith("_"):
-                table[op] = tuple({**bucket, "source": source} for bucket in buckets)
+            if not op.startswith("_"):  # tuned buckets go first; the shipped ones still cover the rest
+                table[op] = (*({**bucket, "source": source} for bucket in buckets), *table.get(op, ()))
     return table
 
 
@@ -102,3 +102,7 @@ def reload() -> None:
     if common is not None:
         common._tuned_table.cache_clear()
         common._row_settings_cached.cache_clear()
+    helion_runner = sys.modules.get("hkernels.ops._helion")
+    if helion_runner is not None:  # configs chosen and kernels compiled from the old tables
+        helion_runner._config.cache_clear()
+        helion_runner._compiled.clear()

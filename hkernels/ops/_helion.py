@@ -127,10 +127,8 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
 
 
 def forget() -> None:
-    """Drop every config and compiled kernel chosen so far (the tables changed: see ``configs.reload``)."""
+    """Drop every config and compiled kernel chosen so far (the tables changed): ``configs.reload`` does it."""
     configs.reload()
-    _config.cache_clear()
-    _compiled.clear()
 
 
 @functools.lru_cache(maxsize=8)
