@@ -7,8 +7,9 @@ benchmark's, at the given dtype) it
      off unless ``HELION_AUTOTUNE_PRECOMPILE`` says otherwise: with the default forked
      precompile a tuning run on the H200 outlived its benchmark subprocesses' 30 s timeout, without it a quick
      rms_norm search took 100 s and reached 98% of copy) and its best config is written for that row length;
-  2. searches the Triton forward's launch settings where it has a search space (the row-wise ops: rms_norm,
-     add_rms_norm, layer_norm, softmax), timing each candidate, and writes the fastest;
+  2. searches the Triton launch settings where the op has a search space (the row-wise forwards: rms_norm,
+     add_rms_norm, layer_norm, softmax; rope's tile size and warps; cross_entropy's block, warps, stages and
+     programs per SM), timing each candidate, and writes the fastest;
   3. times the op on helion and on triton with what it just tuned (forward and forward+backward; per-call latency
      at ≤ 64 rows) and writes, per row length and rows, which backend ``auto`` should use (tried before the
      shipped buckets).
@@ -41,7 +42,7 @@ import hkernels
 from hkernels import _interpret, configs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROW_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "softmax")  # the Triton forwards with a search space
+ROW_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "softmax")  # the row-wise Triton forwards (row settings)
 
 
 def _say(text: str) -> None:
@@ -158,45 +159,75 @@ def _row_candidates(n: int) -> Iterator[Any]:
             yield RowSettings(False, 1, chunk, warps)
 
 
+def _rope_candidates(n: int) -> Iterator[dict[str, int]]:
+    for elements, warps in itertools.product((1024, 2048, 4096, 8192, 16384), (2, 4, 8)):
+        yield {"tile_elements": elements, "num_warps": warps}
+
+
+def _ce_candidates(n: int) -> Iterator[dict[str, int]]:
+    import triton
+
+    widest = max(1024, triton.next_power_of_2(n))  # no block wider than the row needs
+    for (block, warps), stages, per_sm in itertools.product(
+        ((1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32)), (1, 2), (1, 2, 4)
+    ):
+        if block <= widest:
+            yield {"block": block, "num_warps": warps, "num_stages": stages, "per_sm": per_sm}
+
+
+def _describe(cand: Any) -> str:
+    if isinstance(cand, dict):
+        return ", ".join(f"{k} {v}" for k, v in cand.items())
+    return (f"block {cand.block_m}x{cand.block_n}, {cand.num_warps} warps, "
+            f"{'resident' if cand.resident else 'looped'}")
+
+
 def tune_triton(case: _Case, arch: str, out: Path, device: torch.device) -> list[str]:
-    """Search the Triton forward's row settings (row-wise ops only); write the fastest. Returns summary lines."""
+    """Search the Triton forward's launch settings where the op has a search space; write the fastest. Returns
+    summary lines. Row-wise ops and rope time the forward (rope's backward is the same kernel); cross_entropy
+    times forward+backward (its forward writes the gradient)."""
     import dataclasses
 
     from triton_fallback import _common
 
-    if case.op not in ROW_OPS:
+    spaces: dict[str, tuple[Callable[[int], Iterator[Any]], Callable[[], object]]] = {
+        **{op: (_row_candidates, case.forward) for op in ROW_OPS},
+        "rope": (_rope_candidates, case.forward),
+        "cross_entropy": (_ce_candidates, case.forward_backward),
+    }
+    if case.op not in spaces:
         _say(f"  triton: no launch-setting search for {case.op} yet (its settings are the shipped heuristics)")
         return [f"triton {case.op}: not searched"]
+    space, step = spaces[case.op]
     _, n = case.rows_n()
     timed = []
-    candidates = list(_row_candidates(n))
+    candidates = list(space(n))
     with hkernels.use_backend("triton"):
-        default_ms = _time_ms(case.forward, device)
+        default_ms = _time_ms(step, device)
         for i, cand in enumerate(candidates, 1):
             _common.searching[(case.op, "fwd")] = cand
             try:
-                ms = _time_ms(case.forward, device)
+                ms = _time_ms(step, device)
             except Exception as e:  # a candidate that does not compile or run (shared memory, registers): skip it
-                _say(f"  triton {i}/{len(candidates)}: {cand} failed ({type(e).__name__})")
+                _say(f"  triton {i}/{len(candidates)}: {_describe(cand)} failed ({type(e).__name__})")
                 continue
             finally:
                 _common.searching.pop((case.op, "fwd"), None)
             timed.append((ms, cand))
-            _say(f"  triton {i}/{len(candidates)}: block {cand.block_m}x{cand.block_n}, {cand.num_warps} warps, "
-                 f"{'resident' if cand.resident else 'looped'}: {ms:.4f} ms")
+            _say(f"  triton {i}/{len(candidates)}: {_describe(cand)}: {ms:.4f} ms")
     if not timed:
-        return [f"triton {case.op}: every candidate failed"]
+        return [f"triton {case.op}: {'every candidate failed' if candidates else 'no candidates for this shape'}"]
     best_ms, best = min(timed, key=lambda t: t[0])
+    settings = best if isinstance(best, dict) else dataclasses.asdict(best)
     path = out / "triton" / arch / f"{case.op}.json"
     table = _read(path)
     kept = [b for b in table.get("fwd", []) if not (b["min_n"] <= n <= b["max_n"])]
-    table["fwd"] = [{"min_n": n, "max_n": n, "settings": dataclasses.asdict(best),
+    table["fwd"] = [{"min_n": n, "max_n": n, "settings": settings,
                      "tuned": f"{case.name}: {best_ms:.4f} ms vs {default_ms:.4f} ms shipped, "
                               f"{datetime.date.today()}"}, *kept]
     _write(path, table)
-    _common._tuned_table.cache_clear()
-    _common._row_settings_cached.cache_clear()
-    return [f"triton {case.op} fwd n={n}: {best} {best_ms:.4f} ms (shipped heuristic {default_ms:.4f} ms)"]
+    configs.reload()
+    return [f"triton {case.op} n={n}: {_describe(best)} {best_ms:.4f} ms (shipped {default_ms:.4f} ms)"]
 
 
 # ------------------------------------------------------------------------------------------------ auto

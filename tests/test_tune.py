@@ -37,3 +37,47 @@ def test_tune_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--ops", "rms_norm", "--shapes", "4x64", "--steps", "everything"])
     assert "--steps" in capsys.readouterr().err
+
+
+def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, monkeypatch):
+    """The lookup the Triton launchers make (no GPU needed: the arch is stubbed): an entry applies to its row
+    length only, on its arch only, and a row-settings entry whose block does not fit the row is ignored."""
+    from triton_fallback import _common
+
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_common, "_arch", lambda index: "sm90")
+    folder = tmp_path / "triton" / "sm90"
+    folder.mkdir(parents=True)
+    (folder / "rope.json").write_text(json.dumps(
+        {"fwd": [{"min_n": 128, "max_n": 128, "settings": {"tile_elements": 8192, "num_warps": 8}}]}))
+    row = {"resident": True, "block_m": 2, "block_n": 4096, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2}
+    (folder / "softmax.json").write_text(json.dumps(
+        {"fwd": [{"min_n": 4096, "max_n": 4096, "settings": row}, {"min_n": 300, "max_n": 300, "settings": row}]}))
+    configs.reload()
+    try:
+        gpu = torch.device("cuda", 0)  # a device object; nothing runs on it
+        assert _common.tuned_settings("rope", 128, gpu) == {"tile_elements": 8192, "num_warps": 8}
+        assert _common.tuned_settings("rope", 64, gpu) is None
+        assert _common.tuned_settings("rope", 128, torch.device("cpu")) is None
+        assert _common.tuned_row_settings("softmax", 4096, gpu) == _common.RowSettings(**row)
+        assert _common.tuned_row_settings("softmax", 300, gpu) is None  # a 4096-wide block for 300: stale
+        monkeypatch.setattr(_common, "_arch", lambda index: "sm100")
+        configs.reload()
+        assert _common.tuned_settings("rope", 128, gpu) is None  # tuned on another arch
+    finally:
+        configs.reload()
+
+
+def test_tune_searches_rope_and_cross_entropy_settings(tmp_path, monkeypatch, device, capsys):
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    try:
+        assert tune.main(["--ops", "rope,cross_entropy", "--shapes", "4x256", "--dtype", "float32", "--steps",
+                          "triton", "--out", str(tmp_path)]) == 0
+        arch = configs.cuda_arch(device) if device.type == "cuda" else "interpret"
+        rope = json.loads((tmp_path / "triton" / arch / "rope.json").read_text())["fwd"][0]
+        assert set(rope["settings"]) == {"tile_elements", "num_warps"} and rope["min_n"] == 128
+        ce = json.loads((tmp_path / "triton" / arch / "cross_entropy.json").read_text())["fwd"][0]
+        assert set(ce["settings"]) == {"block", "num_warps", "num_stages", "per_sm"} and ce["min_n"] == 256
+        assert "no launch-setting search" not in capsys.readouterr().out
+    finally:
+        configs.reload()

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -53,7 +54,7 @@ def _arch(index: int) -> str:
 
 
 # Settings the tune command is trying right now, by (op, "fwd"): they win over everything while it measures.
-searching: dict[tuple[str, str], RowSettings] = {}
+searching: dict[tuple[str, str], Any] = {}
 
 
 @functools.lru_cache(maxsize=16)
@@ -68,8 +69,10 @@ def _tuned_table(arch: str, op: str) -> dict[str, list[dict]]:
         return {}
 
 
-def tuned_row_settings(op: str, n: int, device: torch.device) -> RowSettings | None:
-    """The tune command's row settings for ``op``'s forward at rows of ``n`` on ``device``'s arch, if any."""
+def tuned_settings(op: str, n: int, device: torch.device) -> Any:
+    """The tune command's launch settings for ``op``'s Triton forward at rows of ``n`` on ``device``'s arch: what it
+    is trying right now while it searches, else the user table's entry (a dict of the op's own settings), else
+    None."""
     s = searching.get((op, "fwd"))
     if s is not None:
         return s
@@ -78,11 +81,18 @@ def tuned_row_settings(op: str, n: int, device: torch.device) -> RowSettings | N
     for bucket in _tuned_table(_arch(device.index if device.index is not None else torch.cuda.current_device()),
                                op).get("fwd", []):
         if bucket["min_n"] <= n <= bucket["max_n"]:
-            found = RowSettings(**bucket["settings"])
-            # A resident row must fit its block; anything else is a stale or foreign entry: ignored.
-            if not found.resident or found.block_n == triton.next_power_of_2(n):
-                return found
+            return bucket["settings"]
     return None
+
+
+def tuned_row_settings(op: str, n: int, device: torch.device) -> RowSettings | None:
+    """The tune command's row settings for ``op``'s forward at rows of ``n`` on ``device``'s arch, if any."""
+    found = tuned_settings(op, n, device)
+    if found is None or isinstance(found, RowSettings):
+        return found
+    found = RowSettings(**found)
+    # A resident row must fit its block; anything else is a stale or foreign entry: ignored.
+    return found if not found.resident or found.block_n == triton.next_power_of_2(n) else None
 
 
 def row_settings(

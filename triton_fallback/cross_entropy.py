@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, persistent_programs
+from triton_fallback._common import interpreting, persistent_programs, tuned_settings
 
 Tensor = torch.Tensor
 
@@ -140,7 +140,11 @@ def cross_entropy_fwd(
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-    block, warps, stages, per_sm = _settings(V)
+    tuned = tuned_settings("cross_entropy", V, logits.device)  # from python -m hkernels.tune, if it ran here
+    if tuned:
+        block, warps, stages, per_sm = tuned["block"], tuned["num_warps"], tuned["num_stages"], tuned["per_sm"]
+    else:
+        block, warps, stages, per_sm = _settings(V)
     grid = (persistent_programs(logits.device, T, per_sm),)
     _cross_entropy_fwd_kernel[grid](
         logits, target, scale, loss, grad if grad is not None else loss,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, num_sms
+from triton_fallback._common import interpreting, num_sms, tuned_settings
 
 Tensor = torch.Tensor
 
@@ -100,12 +100,12 @@ TILE_ELEMENTS = 4096
 TILE_WARPS = 4
 
 
-def _tile_shape(T: int, H: int, D: int, programs_wanted: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_H) of about TILE_ELEMENTS elements for one tensor: all heads of a token block when they fit,
+def _tile_shape(T: int, H: int, D: int, programs_wanted: int, elements: int = TILE_ELEMENTS) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_H) of about ``elements`` elements for one tensor: all heads of a token block when they fit,
     fewer tokens and then fewer heads when the tensor would otherwise give fewer than ``programs_wanted`` tiles."""
     row = 2 * triton.next_power_of_2(D // 2)
-    block_h = min(triton.next_power_of_2(H), max(1, TILE_ELEMENTS // row))
-    block_s = min(triton.next_power_of_2(T), max(1, TILE_ELEMENTS // (row * block_h)))
+    block_h = min(triton.next_power_of_2(H), max(1, elements // row))
+    block_s = min(triton.next_power_of_2(T), max(1, elements // (row * block_h)))
     while block_s > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
         block_s //= 2
     while block_h > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
@@ -122,9 +122,12 @@ def _launch_settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> 
         s = min(triton.next_power_of_2(T), max(1, 65536 // (row * hq)))
         return s, hq, s, hk, 4
     # Few tokens (decoding, short prompts): smaller tiles, so the GPU gets a few programs per multiprocessor.
+    # The tile size and warps may come from python -m hkernels.tune (per head dim D, on this arch).
+    tuned = tuned_settings("rope", D, device)
+    elements, warps = (tuned["tile_elements"], tuned["num_warps"]) if tuned else (TILE_ELEMENTS, TILE_WARPS)
     wanted = 4 * num_sms(device)
-    return (*_tile_shape(T, Hq, D, wanted * Hq // (Hq + Hk)), *_tile_shape(T, Hk, D, wanted * Hk // (Hq + Hk)),
-            TILE_WARPS)
+    return (*_tile_shape(T, Hq, D, wanted * Hq // (Hq + Hk), elements),
+            *_tile_shape(T, Hk, D, wanted * Hk // (Hq + Hk), elements), warps)
 
 
 def _rope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
