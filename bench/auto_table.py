@@ -43,6 +43,30 @@ def _score(row: dict[str, Any], latency: bool) -> float | None:
     return row.get("ms")
 
 
+Point = tuple[int, int, float, float, str, str]  # rows, n, helion time, triton time, where, unit (and modes)
+
+
+def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
+    """An op's auto buckets from measured points, by ascending n, then rows; each point's bucket covers the rows
+    above the previous point's (the last open-ended), and the faster backend wins it (Triton must win by TIE to
+    displace Helion, the primary path). The n bounds: up to each n, the last open-ended (``exact_n=False``, the
+    shipped table: every row length gets a choice); or exactly each n (the tune command's: tried before the
+    shipped buckets, which still decide the row lengths that were not tuned)."""
+    ns = sorted({p[1] for p in points})
+    out = []
+    for j, n in enumerate(ns):
+        here = sorted(p for p in points if p[1] == n)
+        for i, (rows, _, helion, triton, where, unit) in enumerate(here):
+            bounds = {"min_n": n, "max_n": n} if exact_n else {"max_n": n if j + 1 < len(ns) else None}
+            out.append({
+                "max_rows": rows if i + 1 < len(here) else None,
+                **bounds,
+                "backend": "triton" if triton < TIE * helion else "helion",
+                "measured": f"{where}: helion {helion:.4g}, triton {triton:.4g} {unit}",
+            })
+    return out
+
+
 def build(paths: list[Path]) -> dict[str, Any]:
     # (op, rows, n) -> {(bench op, mode): {backend: score}}; later files win per key.
     cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
@@ -66,25 +90,14 @@ def build(paths: list[Path]) -> dict[str, Any]:
         cells.update(per_cell)
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
-        points = sorted((n, rows) for (o, rows, n) in cells if o == op)
-        ns = sorted({n for n, _ in points})
-        buckets = []
-        for j, n in enumerate(ns):
-            rows_here = sorted(r for nn, r in points if nn == n)
-            for i, rows in enumerate(rows_here):
-                measured = cells[(op, rows, n)]
-                helion = sum(v["helion"] for v in measured.values())
-                triton = sum(v["triton"] for v in measured.values())
-                backend = "triton" if triton < TIE * helion else "helion"
+        points = []
+        for (o, rows, n), measured in cells.items():
+            if o == op:
                 unit = "µs per call" if rows <= LATENCY_ROWS else "ms"
-                buckets.append({
-                    "max_rows": rows if i + 1 < len(rows_here) else None,
-                    "max_n": n if j + 1 < len(ns) else None,
-                    "backend": backend,
-                    "measured": f"rows={rows} n={n}: helion {helion:.4g}, triton {triton:.4g} {unit} "
-                                f"({' + '.join(sorted(f'{v} {m}' for v, m in measured))})",
-                })
-        table[op] = buckets
+                modes = " + ".join(sorted(f"{v} {m}" for v, m in measured))
+                points.append((rows, n, sum(v["helion"] for v in measured.values()),
+                               sum(v["triton"] for v in measured.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))
+        table[op] = buckets(points, exact_n=False)
     return {"_about": "auto's backend per op and shape bucket, from python -m bench.auto_table "
                       f"{' '.join(str(p) for p in paths)}", **table}
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import hkernels
+from bench.auto_table import LATENCY_ROWS  # at or below: a call is host-bound, compare per-call latency
 from hkernels import _interpret, configs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -50,17 +51,9 @@ def _say(text: str) -> None:
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton.testing
+    from bench.harness import time_ms  # the benchmark's timer: do_bench on a GPU, a host clock on a CPU
 
-        return float(triton.testing.do_bench(fn, warmup=10, rep=50))
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t0) * 1e3)
-    return best
+    return time_ms(fn, device)
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -233,7 +226,6 @@ def tune_triton(case: _Case, arch: str, out: Path, device: torch.device) -> list
 # ------------------------------------------------------------------------------------------------ auto
 
 
-LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare per-call latency (as bench.auto_table)
 
 
 def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
@@ -254,31 +246,21 @@ def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
 
 
 def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]], arch: str, out: Path) -> None:
-    """Per op, buckets around every shape measured so far (this run's and earlier runs', kept under "_points"):
-    exact in n (a model's row lengths are fixed; other lengths keep the shipped buckets, which the dispatcher tries
-    after these), ascending rows, the last open-ended; the faster backend in each (Triton must win by 1% to
-    displace Helion, the primary path)."""
+    """Per op, auto buckets from every shape measured so far (this run's and earlier runs', kept under "_points"),
+    exact in n (``bench.auto_table.buckets``): other row lengths keep the shipped buckets, tried after these."""
+    from bench.auto_table import buckets  # the shipped table's bucket builder
+
     path = out / "auto" / f"{arch}.json"
     table = _read(path)
     kept = table.setdefault("_points", {})
     for op, new_points in measured.items():
         by_shape = {(p[0], p[1]): p for p in kept.get(op, [])}
         for rows, n, t, name in new_points:
-            by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}"]
-        points = sorted(by_shape.values())
-        kept[op] = points
-        buckets = []
-        for n in sorted({p[1] for p in points}):
-            here = [p for p in points if p[1] == n]
-            for i, (rows, _, helion, triton, name) in enumerate(here):
-                unit = "µs per call (fwd + fwd_bwd latency)" if rows <= LATENCY_ROWS else "ms (fwd + fwd_bwd)"
-                buckets.append({
-                    "max_rows": rows if i + 1 < len(here) else None,
-                    "min_n": n, "max_n": n,  # exact in n: other row lengths keep the shipped buckets
-                    "backend": "triton" if triton < 0.99 * helion else "helion",
-                    "measured": f"{name}: helion {helion:.4g}, triton {triton:.4g} {unit}",
-                })
-        table[op] = buckets
+            unit = "µs per call (fwd + fwd_bwd latency)" if rows <= LATENCY_ROWS else "ms (fwd + fwd_bwd)"
+            by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}",
+                                   unit]
+        kept[op] = sorted(by_shape.values())
+        table[op] = buckets([(*p, 'ms')[:6] for p in kept[op]], exact_n=True)  # (older points had no unit)
     _write(path, table)
 
 
@@ -286,10 +268,7 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
+    return configs._read(path)  # missing: empty; unreadable: a warning, then empty (rewritten whole)
 
 
 def _write(path: Path, table: dict[str, Any]) -> None:

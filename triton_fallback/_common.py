@@ -47,12 +47,6 @@ class RowSettings:
     programs_per_sm: int = 2  # persistent kernels: programs per multiprocessor
 
 
-@functools.lru_cache(maxsize=8)
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
 # Settings the tune command is trying right now, by (op, "fwd"): they win over everything while it measures.
 searching: dict[tuple[str, str], Any] = {}
 
@@ -78,8 +72,9 @@ def tuned_settings(op: str, n: int, device: torch.device) -> Any:
         return s
     if device.type != "cuda":
         return None
-    for bucket in _tuned_table(_arch(device.index if device.index is not None else torch.cuda.current_device()),
-                               op).get("fwd", []):
+    from hkernels import configs  # torch-only: keeps this package importable without helion
+
+    for bucket in _tuned_table(configs.cuda_arch(device), op).get("fwd", []):
         if bucket["min_n"] <= n <= bucket["max_n"]:
             return bucket["settings"]
     return None
