@@ -252,8 +252,8 @@ def test_attention_triton_dq_atomics(causal, device, monkeypatch):
 @pytest.mark.parametrize("order", ["reduce", "barrier"])
 def test_triton_linear_loss_in_place_x_target(order, device, monkeypatch):
     """The linear loss's chunks let the cross-entropy kernel write the gradient over the logits; x[target] must be
-    read before any of it is overwritten. Both orderings of the Triton kernel (picked out in pass 1's reductions,
-    shipped; or one load and a barrier) against float64, float32 so that a stale x[target] shows (on the H200 the
+    read before any of it is overwritten. Both orderings of the Triton kernel (one load and a barrier, shipped; or
+    picked out in pass 1's reductions) against float64, float32 so that a stale x[target] shows (on the H200 the
     unordered load gave loss errors of 5e-5..1e-3 at this size, run to run)."""
     from triton_fallback import cross_entropy as t_ce
 
