@@ -14,11 +14,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 # Elements per row up to which a row stays in registers.
 MAX_RESIDENT_FWD = 32768
 MAX_RESIDENT_BWD = 8192
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ on the host. (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: ~1-3 µs a call
+    from Python, and a launch computes a dozen of them.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1), on the host."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def interpreting() -> bool:
@@ -51,7 +61,26 @@ class RowSettings:
 searching: dict[tuple[str, str], Any] = {}
 
 
-@functools.lru_cache(maxsize=16)
+# Host-side memos of launch settings (a decode-size call's host work is what its caller waits for): cleared together
+# by hkernels.configs.reload when the tables change.
+_MEMOS: list[Any] = []
+
+
+def memo(maxsize: int) -> Any:
+    """``functools.lru_cache(maxsize)``, registered so that :func:`clear_memos` clears it."""
+    def wrap(fn: Any) -> Any:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _MEMOS.append(cached)
+        return cached
+    return wrap
+
+
+def clear_memos() -> None:
+    for cached in _MEMOS:
+        cached.cache_clear()
+
+
+@memo(16)
 def _tuned_table(arch: str, op: str) -> dict[str, list[dict]]:
     # Written by python -m hkernels.tune: {"fwd": [{"min_n": n, "max_n": n, "settings": {RowSettings fields}}]}.
     from hkernels import configs  # torch-only: keeps this package importable without helion
@@ -87,7 +116,7 @@ def tuned_row_settings(op: str, n: int, device: torch.device) -> RowSettings | N
         return found
     found = RowSettings(**found)
     # A resident row must fit its block; anything else is a stale or foreign entry: ignored.
-    return found if not found.resident or found.block_n == triton.next_power_of_2(n) else None
+    return found if not found.resident or found.block_n == next_pow2(n) else None
 
 
 def row_settings(
@@ -102,7 +131,7 @@ def row_settings(
     return _row_settings_cached(n, m, backward, op, device)
 
 
-@functools.lru_cache(maxsize=4096)
+@memo(4096)
 def _row_settings_cached(
     n: int, m: int, backward: bool, op: str | None, device: torch.device | None
 ) -> RowSettings:
@@ -122,21 +151,21 @@ def _row_settings(
         tuned = tuned_row_settings(op, n, device)
         if tuned is not None:
             return tuned
-    block_n = triton.next_power_of_2(n)
+    block_n = next_pow2(n)
     max_resident = MAX_RESIDENT_BWD if backward else MAX_RESIDENT_FWD
     if interpreting():
         # The interpreter runs programs one after another: few, large programs run fastest.
         if block_n <= max_resident:
-            block_m = min(triton.next_power_of_2(m), max(1, 65536 // block_n))
+            block_m = min(next_pow2(m), max(1, 65536 // block_n))
             return RowSettings(True, block_m, block_n, 4)
         return RowSettings(False, 1, 32768, 4)
     if block_n <= max_resident and backward:
         # Softmax backward rows hold dy and y: one row per program, more threads per row (16 warps from 4096:
         # 97-100% of copy measured).
-        block_m = min(triton.next_power_of_2(m), max(1, 2048 // block_n))
+        block_m = min(next_pow2(m), max(1, 2048 // block_n))
         return RowSettings(True, block_m, block_n, 16 if block_n >= 4096 else 8)
     if block_n <= max_resident:
-        block_m = min(triton.next_power_of_2(m), max(1, 8192 // block_n))
+        block_m = min(next_pow2(m), max(1, 8192 // block_n))
         warps = 8 if block_m > 1 else max(4, min(16, block_n // 2048))
         return RowSettings(True, block_m, block_n, warps)
     return RowSettings(False, 1, 8192, 16)
@@ -151,12 +180,12 @@ def persistent_bwd_settings(n: int, m: int) -> RowSettings:
     with 2 rows a step for rms_norm, which here spills registers on sm90 per cuobjdump, so 1). The same settings
     are used here.
     """
-    block_n = triton.next_power_of_2(n)
+    block_n = next_pow2(n)
     if interpreting():
-        return RowSettings(True, min(triton.next_power_of_2(m), max(1, 65536 // block_n)), block_n, 4)
+        return RowSettings(True, min(next_pow2(m), max(1, 65536 // block_n)), block_n, 4)
     if block_n >= 8192:
         return RowSettings(True, 1, block_n, 16, num_stages=3, programs_per_sm=1)
-    block_m = min(triton.next_power_of_2(m), max(1, 4096 // block_n))
+    block_m = min(next_pow2(m), max(1, 4096 // block_n))
     return RowSettings(True, block_m, block_n, 8, num_stages=3, programs_per_sm=2)
 
 

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting
+from triton_fallback._common import cdiv, interpreting
+from triton_fallback._launch import launch
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -548,8 +549,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
         return o.zero_(), lse.fill_(-float("inf"))  # no keys: zeros, as torch's SDPA
     s = attention_settings(D, q.dtype, causal, "fwd")
     tma = s.tma and _tma_ok(q, k, v, o)
-    grid = (B * Hq * triton.cdiv(S, s.block_m),)
-    _attention_fwd_kernel[grid](
+    grid = (B * Hq * cdiv(S, s.block_m),)
+    launch(_attention_fwd_kernel, grid,
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(o, s.block_m, tma), lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         Hq, Hq // Hk, S, Skv, scale * LOG2E,
@@ -576,7 +577,7 @@ def attention_bwd(
         return torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_()
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     block = 64 if interpreting() else 128
-    _attention_bwd_delta_kernel[(B * Hq * triton.cdiv(S, block),)](
+    launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
         o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
         HEAD_DIM=D, BLOCK_M=block, num_warps=4,
     )
@@ -585,7 +586,7 @@ def attention_bwd(
     s = attention_settings(D, q.dtype, causal, "dkdv")
     tma = s.tma and _tma_ok(q, k, v, do, dk, dv)
     dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else delta
-    _attention_bwd_dkdv_kernel[(B * Hk * triton.cdiv(Skv, s.block_n),)](
+    launch(_attention_bwd_dkdv_kernel, (B * Hk * cdiv(Skv, s.block_n),),
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
         _arg(dk, s.block_n, tma), _arg(dv, s.block_n, tma), lse, delta, dq32,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
@@ -598,7 +599,7 @@ def attention_bwd(
     dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     s = attention_settings(D, q.dtype, causal, "dq")
     tma = s.tma and _tma_ok(q, k, v, do, dq)
-    _attention_bwd_dq_kernel[(B * Hq * triton.cdiv(S, s.block_m),)](
+    launch(_attention_bwd_dq_kernel, (B * Hq * cdiv(S, s.block_m),),
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
         _arg(dq, s.block_m, tma), lse, delta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],

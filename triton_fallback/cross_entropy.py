@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, persistent_programs, tuned_settings
+from triton_fallback._common import interpreting, next_pow2, persistent_programs, tuned_settings
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -118,10 +119,10 @@ def _settings(v: int) -> tuple[int, int, int, int]:
     swept).
     """
     if interpreting():  # one big block, few programs
-        return min(triton.next_power_of_2(v), 32768), 4, 1, 1
+        return min(next_pow2(v), 32768), 4, 1, 1
     if v >= 16384:
         return 16384, 16, 1, 4
-    block = min(triton.next_power_of_2(v), 8192)
+    block = min(next_pow2(v), 8192)
     return block, max(4, min(8, block // 1024)), 2, 2
 
 
@@ -146,7 +147,7 @@ def cross_entropy_fwd(
     else:
         block, warps, stages, per_sm = _settings(V)
     grid = (persistent_programs(logits.device, T, per_sm),)
-    _cross_entropy_fwd_kernel[grid](
+    launch(_cross_entropy_fwd_kernel, grid,
         logits, target, scale, loss, grad if grad is not None else loss,
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
         ignore_index, label_smoothing,
@@ -159,8 +160,8 @@ def cross_entropy_fwd(
 def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
     """grad [R, V] *= dloss [R] (any stride, stride 0 for one factor), in place; rows with factor 1 untouched."""
     R, V = grad.shape
-    block = min(triton.next_power_of_2(V), 32768 if interpreting() else 4096)
-    _cross_entropy_bwd_kernel[(R,)](
+    block = min(next_pow2(V), 32768 if interpreting() else 4096)
+    launch(_cross_entropy_bwd_kernel, (R,),
         grad, dloss, V, grad.stride(0), dloss.stride(0), BLOCK_V=block, num_warps=4 if block <= 2048 else 8
     )
     return grad

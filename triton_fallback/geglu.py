@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_fallback._launch import launch
 from triton_fallback.swiglu import _tile, launch_settings
 
 Tensor = torch.Tensor
@@ -111,7 +112,7 @@ def geglu_fwd(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
     M, N = gate.shape
     y = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     s = launch_settings(M, N, gate.device)
-    _geglu_fwd_kernel[(s.programs,)](
+    launch(_geglu_fwd_kernel, (s.programs,),
         gate, up, y, M, N, gate.stride(0), up.stride(0),
         APPROX_TANH=_approx_tanh(approximate), FAST_CDF=gate.dtype != torch.float32,
         BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
@@ -125,7 +126,7 @@ def geglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> tuple[T
     dgate = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     dup = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     s = launch_settings(M, N, gate.device)
-    _geglu_bwd_kernel[(s.programs,)](
+    launch(_geglu_bwd_kernel, (s.programs,),
         dy, gate, up, dgate, dup, M, N, dy.stride(0), gate.stride(0), up.stride(0),
         APPROX_TANH=_approx_tanh(approximate), FAST_CDF=gate.dtype != torch.float32,
         BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,

@@ -19,10 +19,12 @@ import triton.language as tl
 
 from triton_fallback._common import (
     MAX_RESIDENT_BWD,
+    cdiv,
     persistent_bwd_settings,
     persistent_programs,
     row_settings,
 )
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -216,12 +218,12 @@ def layer_norm_fwd(
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     s = row_settings(N, M, op="layer_norm", device=x.device)
     if s.resident:
-        _layer_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+        launch(_layer_norm_fwd_kernel, (cdiv(M, s.block_m),),
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps,
             **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
     else:
-        _layer_norm_fwd_looped_kernel[(M,)](
+        launch(_layer_norm_fwd_looped_kernel, (M,),
             x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps,
             **flags, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
@@ -238,11 +240,11 @@ def layer_norm_bwd(
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=s.programs_per_sm)
+        programs = persistent_programs(x.device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
         db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-        _layer_norm_bwd_kernel[(programs,)](
-            dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, triton.cdiv(M, programs),
+        launch(_layer_norm_bwd_kernel, (programs,),
+            dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, cdiv(M, programs),
             dy.stride(0), x.stride(0), dx.stride(0),
             **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
             num_warps=s.num_warps, num_stages=s.num_stages,
@@ -251,16 +253,16 @@ def layer_norm_bwd(
         s = row_settings(N, M, backward=True)
         c1 = torch.empty(M, dtype=torch.float32, device=x.device)
         c2 = torch.empty(M, dtype=torch.float32, device=x.device)
-        _layer_norm_bwd_dot_kernel[(M,)](
+        launch(_layer_norm_bwd_dot_kernel, (M,),
             dy, x, w, mean, rstd, c1, c2, N, dy.stride(0), x.stride(0),
             HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
-        col_blocks = triton.cdiv(N, s.block_n)
+        col_blocks = cdiv(N, s.block_n)
         groups = max(1, min(M, persistent_programs(x.device, M * col_blocks, per_sm=4) // col_blocks))
         dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
         db_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
-        _layer_norm_bwd_looped_kernel[(col_blocks, groups)](
-            dy, x, w, mean, rstd, c1, c2, dx, dw_part, db_part, M, N, triton.cdiv(M, groups),
+        launch(_layer_norm_bwd_looped_kernel, (col_blocks, groups),
+            dy, x, w, mean, rstd, c1, c2, dx, dw_part, db_part, M, N, cdiv(M, groups),
             dy.stride(0), x.stride(0), dx.stride(0),
             **flags, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )

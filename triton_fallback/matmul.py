@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_fallback._common import interpreting, num_sms
+from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
+from triton_fallback._launch import launch
 from triton_fallback.geglu import _normal_cdf_fast
 from triton_fallback.swiglu import _tile, launch_settings
 
@@ -301,9 +302,9 @@ def matmul_config(m: int, n: int, k: int, batch: int, dtype: torch.dtype, sms: i
     cls = tile_class(m, n, batch, sms)
     if interpreting():
         # the interpreter runs programs one after another: few, large programs; 16 rows is tl.dot's minimum
-        bm = min(128, max(16, triton.next_power_of_2(m)))
-        bn = min(128, max(16, triton.next_power_of_2(n)))
-        bk = min(128, max(16, triton.next_power_of_2(k)))
+        bm = min(128, max(16, next_pow2(m)))
+        bn = min(128, max(16, next_pow2(n)))
+        bk = min(128, max(16, next_pow2(k)))
         return MatmulConfig(bm, bn, bk, 8, 4, 1, subtile=4 if bn >= 64 else 2 if bn >= 32 else 1)
     if dtype == torch.float32:
         return MatmulConfig(16, 64, 64, 1, 4, 3) if cls == 0 else MatmulConfig(64, 64, 32, 8, 4, 3)
@@ -383,7 +384,7 @@ def matmul_fwd(
     tma = k > 0 and all(lay is not None for lay in layouts) and not layouts[2][2]
     sms = num_sms(a.device)
     cfg = matmul_config(m, n, k, nb, a.dtype, sms, tma)
-    tiles = nb * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = nb * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     if tma:
         (a_shape, a_strides, a_t), (b_shape, b_strides, b_t), (y_shape, y_strides, _) = layouts
         a_block = [1, cfg.block_k, cfg.block_m] if a_t else [1, cfg.block_m, cfg.block_k]
@@ -391,7 +392,7 @@ def matmul_fwd(
         out_block = [1, cfg.block_m, cfg.block_n // cfg.subtile]
         y_desc = TensorDescriptor(y, y_shape, y_strides, out_block)
         programs = max(1, min(tiles, sms * cfg.programs_per_sm))
-        _matmul_tma_kernel[(programs,)](
+        launch(_matmul_tma_kernel, (programs,),
             TensorDescriptor(a3, a_shape, a_strides, a_block), TensorDescriptor(b3, b_shape, b_strides, b_block),
             y_desc, TensorDescriptor(z, y_shape, y_strides, out_block) if keep else y_desc,
             bias, m, n, k, nb,
@@ -401,7 +402,7 @@ def matmul_fwd(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
-        _matmul_kernel[(tiles,)](
+        launch(_matmul_kernel, (tiles,),
             a3, b3, y, z if keep else y, bias, m, n, k,
             a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
             ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast, EVEN_K=k % cfg.block_k == 0,
@@ -427,7 +428,7 @@ def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
     if dz.numel() == 0:
         return dz.view(z.shape)
     s = launch_settings(r, n, dy.device)
-    _matmul_act_bwd_kernel[(s.programs,)](
+    launch(_matmul_act_bwd_kernel, (s.programs,),
         dy2, z2, dz, r, n, dy2.stride(0), z2.stride(0),
         ACTIVATION=activation, FAST_CDF=dy.dtype != torch.float32,
         BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,

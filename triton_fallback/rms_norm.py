@@ -19,10 +19,12 @@ import triton.language as tl
 
 from triton_fallback._common import (
     MAX_RESIDENT_BWD,
+    cdiv,
     persistent_bwd_settings,
     persistent_programs,
     row_settings,
 )
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -211,13 +213,13 @@ def launch_fwd(
     r, out = (residual, summed) if residual is not None else (x, x)  # unused stand-ins when there is no residual
     s = row_settings(N, M, op="rms_norm" if residual is None else "add_rms_norm", device=x.device)
     if s.resident:
-        _rms_norm_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+        launch(_rms_norm_fwd_kernel, (cdiv(M, s.block_m),),
             x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
     else:
-        _rms_norm_fwd_looped_kernel[(M,)](
+        launch(_rms_norm_fwd_looped_kernel, (M,),
             x, w, y, rstd, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             BLOCK_N=s.block_n, num_warps=s.num_warps,
@@ -236,10 +238,10 @@ def launch_bwd(
     g = ds if ds is not None else dy  # an unused stand-in when there is no ds
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, triton.cdiv(M, s.block_m), per_sm=s.programs_per_sm)
-        rows_per_program = triton.cdiv(M, programs)
+        programs = persistent_programs(x.device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
+        rows_per_program = cdiv(M, programs)
         dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-        _rms_norm_bwd_kernel[(programs,)](
+        launch(_rms_norm_bwd_kernel, (programs,),
             dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
             g, g.stride(0), HAS_DS=ds is not None,
             HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
@@ -248,15 +250,15 @@ def launch_bwd(
     else:
         s = row_settings(N, M, backward=True)
         c = torch.empty(M, dtype=torch.float32, device=x.device)
-        _rms_norm_bwd_dot_kernel[(M,)](
+        launch(_rms_norm_bwd_dot_kernel, (M,),
             dy, x, w, c, N, dy.stride(0), x.stride(0),
             HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
-        col_blocks = triton.cdiv(N, s.block_n)
+        col_blocks = cdiv(N, s.block_n)
         groups = max(1, min(M, persistent_programs(x.device, M * col_blocks, per_sm=4) // col_blocks))
-        rows_per_program = triton.cdiv(M, groups)
+        rows_per_program = cdiv(M, groups)
         dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
-        _rms_norm_bwd_looped_kernel[(col_blocks, groups)](
+        launch(_rms_norm_bwd_looped_kernel, (col_blocks, groups),
             dy, x, w, rstd, c, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
             g, g.stride(0), HAS_DS=ds is not None,
             HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,

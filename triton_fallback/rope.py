@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, num_sms, tuned_settings
+from triton_fallback._common import cdiv, interpreting, memo, next_pow2, num_sms, searching, tuned_settings
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -103,23 +104,35 @@ TILE_WARPS = 4
 def _tile_shape(T: int, H: int, D: int, programs_wanted: int, elements: int = TILE_ELEMENTS) -> tuple[int, int]:
     """(BLOCK_S, BLOCK_H) of about ``elements`` elements for one tensor: all heads of a token block when they fit,
     fewer tokens and then fewer heads when the tensor would otherwise give fewer than ``programs_wanted`` tiles."""
-    row = 2 * triton.next_power_of_2(D // 2)
-    block_h = min(triton.next_power_of_2(H), max(1, elements // row))
-    block_s = min(triton.next_power_of_2(T), max(1, elements // (row * block_h)))
-    while block_s > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
+    row = 2 * next_pow2(D // 2)
+    block_h = min(next_pow2(H), max(1, elements // row))
+    block_s = min(next_pow2(T), max(1, elements // (row * block_h)))
+    while block_s > 1 and cdiv(T, block_s) * cdiv(H, block_h) < programs_wanted:
         block_s //= 2
-    while block_h > 1 and triton.cdiv(T, block_s) * triton.cdiv(H, block_h) < programs_wanted:
+    while block_h > 1 and cdiv(T, block_s) * cdiv(H, block_h) < programs_wanted:
         block_h //= 2
     return block_s, block_h
 
 
 def _launch_settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[int, ...]:
-    """(BLOCK_SQ, BLOCK_HQ, BLOCK_SK, BLOCK_HK, num_warps) for T tokens."""
+    """(BLOCK_SQ, BLOCK_HQ, BLOCK_SK, BLOCK_HK, num_warps) for T tokens; remembered, except while the tune command
+    searches."""
+    if searching:
+        return _settings(T, Hq, Hk, D, device)
+    return _settings_memo(T, Hq, Hk, D, device)
+
+
+@memo(4096)
+def _settings_memo(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[int, ...]:
+    return _settings(T, Hq, Hk, D, device)
+
+
+def _settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[int, ...]:
     if interpreting():
         # The interpreter runs programs one after another: few, large ones run fastest.
-        row = 2 * triton.next_power_of_2(D // 2)
-        hq, hk = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk)
-        s = min(triton.next_power_of_2(T), max(1, 65536 // (row * hq)))
+        row = 2 * next_pow2(D // 2)
+        hq, hk = next_pow2(Hq), next_pow2(Hk)
+        s = min(next_pow2(T), max(1, 65536 // (row * hq)))
         return s, hq, s, hk, 4
     # Few tokens (decoding, short prompts): smaller tiles, so the GPU gets a few programs per multiprocessor.
     # The tile size and warps may come from python -m hkernels.tune (per head dim D, on this arch).
@@ -142,12 +155,12 @@ def _rope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) ->
     if T == 0:
         return qo, ko
     bsq, bhq, bsk, bhk, warps = _launch_settings(T, Hq, Hk, D, x_q.device)
-    tiles = triton.cdiv(T, bsq) * triton.cdiv(Hq, bhq) + triton.cdiv(T, bsk) * triton.cdiv(Hk, bhk)
-    _rope_kernel[(tiles,)](
+    tiles = cdiv(T, bsq) * cdiv(Hq, bhq) + cdiv(T, bsk) * cdiv(Hk, bhk)
+    launch(_rope_kernel, (tiles,),
         x_q, x_k, cos, sin, qo, ko, T, S, Hq, Hk,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
         0 if cos.shape[0] == 1 else S * D,
-        HALF=D // 2, BACKWARD=backward, BLOCK_HALF=triton.next_power_of_2(D // 2),
+        HALF=D // 2, BACKWARD=backward, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_SQ=bsq, BLOCK_HQ=bhq, BLOCK_SK=bsk, BLOCK_HK=bhk, num_warps=warps,
     )
     return qo, ko

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import row_settings
+from triton_fallback._common import cdiv, row_settings
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -110,11 +111,11 @@ def softmax_fwd(x: Tensor) -> Tensor:
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     s = row_settings(N, M, op="softmax", device=x.device)
     if s.resident:
-        _softmax_fwd_kernel[(triton.cdiv(M, s.block_m),)](
+        launch(_softmax_fwd_kernel, (cdiv(M, s.block_m),),
             x, y, M, N, x.stride(0), y.stride(0), BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps
         )
     else:
-        _softmax_fwd_looped_kernel[(M,)](
+        launch(_softmax_fwd_looped_kernel, (M,),
             x, y, N, x.stride(0), y.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
         )
     return y
@@ -126,12 +127,12 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
     s = row_settings(N, M, backward=True)
     if s.resident:
-        _softmax_bwd_kernel[(triton.cdiv(M, s.block_m),)](
+        launch(_softmax_bwd_kernel, (cdiv(M, s.block_m),),
             dy, y, dx, M, N, dy.stride(0), y.stride(0), dx.stride(0),
             BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
     else:
-        _softmax_bwd_looped_kernel[(M,)](
+        launch(_softmax_bwd_looped_kernel, (M,),
             dy, y, dx, N, dy.stride(0), y.stride(0), dx.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
         )
     return dx

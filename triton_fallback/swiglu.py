@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, num_sms
+from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
+from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
@@ -96,14 +97,14 @@ def launch_settings(M: int, N: int, device: torch.device, elements: int = 2048) 
         elements = 65536  # the interpreter runs programs one after another: few, large programs run fastest
     else:
         # at least ~2 programs per multiprocessor when the input allows, tiles of at least 512 elements
-        per_program = triton.next_power_of_2(max(1, (M * N) // (2 * num_sms(device))))
+        per_program = next_pow2(max(1, (M * N) // (2 * num_sms(device))))
         elements = max(512, min(elements, per_program))
-    block_n = min(triton.next_power_of_2(N), elements)
+    block_n = min(next_pow2(N), elements)
     while block_n > 512 and block_n < N and N % block_n != 0 and N % (block_n // 2) == 0:
         block_n //= 2
-    block_m = min(triton.next_power_of_2(M), max(1, elements // block_n))
+    block_m = min(next_pow2(M), max(1, elements // block_n))
     num_warps = 4 if block_m * block_n <= 2048 else 8
-    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    programs = cdiv(M, block_m) * cdiv(N, block_n)
     return LaunchSettings(block_m, block_n, num_warps, programs)
 
 
@@ -112,7 +113,7 @@ def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     M, N = gate.shape
     y = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     s = launch_settings(M, N, gate.device)
-    _swiglu_fwd_kernel[(s.programs,)](
+    launch(_swiglu_fwd_kernel, (s.programs,),
         gate, up, y, M, N, gate.stride(0), up.stride(0),
         BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
     )
@@ -125,7 +126,7 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     dgate = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     dup = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
     s = launch_settings(M, N, gate.device)
-    _swiglu_bwd_kernel[(s.programs,)](
+    launch(_swiglu_bwd_kernel, (s.programs,),
         dy, gate, up, dgate, dup, M, N, dy.stride(0), gate.stride(0), up.stride(0),
         BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
     )

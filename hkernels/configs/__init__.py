@@ -100,8 +100,7 @@ def reload() -> None:
     auto_table.cache_clear()
     common = sys.modules.get("triton_fallback._common")
     if common is not None:
-        common._tuned_table.cache_clear()
-        common._row_settings_cached.cache_clear()
+        common.clear_memos()
     helion_runner = sys.modules.get("hkernels.ops._helion")
     if helion_runner is not None:  # configs chosen and kernels compiled from the old tables
         helion_runner._config.cache_clear()

@@ -18,6 +18,7 @@ import helion
 import torch
 
 from hkernels import _interpret, configs
+from triton_fallback._launch import helion_launcher
 
 
 def arch_of(device: torch.device) -> str:
@@ -123,6 +124,8 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[key] = fn
+    if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
+        return fn(*args, _launcher=helion_launcher)
     return fn(*args)
 
 

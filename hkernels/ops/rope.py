@@ -29,6 +29,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from triton_fallback._launch import helion_launcher
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -108,7 +109,10 @@ def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
         bound = _rope.bind(args)
         fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
         _COMPILED[key] = fn
-    fn(*args)
+    if device.type == "cuda":
+        fn(*args, _launcher=helion_launcher)
+    else:
+        fn(*args)
 
 
 def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
