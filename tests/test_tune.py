@@ -71,13 +71,16 @@ def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, 
 def test_tune_searches_rope_and_cross_entropy_settings(tmp_path, monkeypatch, device, capsys):
     monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
     try:
-        assert tune.main(["--ops", "rope,cross_entropy", "--shapes", "4x256", "--dtype", "float32", "--steps",
+        # Two shapes per op that share a bucket (rope's head dim 128; the same vocabulary): one winner for both.
+        assert tune.main(["--ops", "rope,cross_entropy", "--shapes", "4x256,2x256", "--dtype", "float32", "--steps",
                           "triton", "--out", str(tmp_path)]) == 0
         arch = configs.cuda_arch(device) if device.type == "cuda" else "interpret"
-        rope = json.loads((tmp_path / "triton" / arch / "rope.json").read_text())["fwd"][0]
-        assert set(rope["settings"]) == {"tile_elements", "num_warps"} and rope["min_n"] == 128
-        ce = json.loads((tmp_path / "triton" / arch / "cross_entropy.json").read_text())["fwd"][0]
-        assert set(ce["settings"]) == {"block", "num_warps", "num_stages", "per_sm"} and ce["min_n"] == 256
+        rope = json.loads((tmp_path / "triton" / arch / "rope.json").read_text())["fwd"]
+        assert len(rope) == 1 and set(rope[0]["settings"]) == {"tile_elements", "num_warps"}
+        assert rope[0]["min_n"] == 128 and "4x256" in rope[0]["tuned"] and "2x256" in rope[0]["tuned"]
+        ce = json.loads((tmp_path / "triton" / arch / "cross_entropy.json").read_text())["fwd"]
+        assert len(ce) == 1 and set(ce[0]["settings"]) == {"block", "num_warps", "num_stages", "per_sm"}
+        assert ce[0]["min_n"] == 256 and "4x256" in ce[0]["tuned"] and "2x256" in ce[0]["tuned"]
         assert "no launch-setting search" not in capsys.readouterr().out
     finally:
         configs.reload()
