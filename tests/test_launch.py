@@ -38,6 +38,24 @@ def test_key_is_finer_than_triton_specialisation():
     assert pairs > len(values)  # the check compared more than each value with itself
 
 
+def test_no_launch_hook_by_default_and_one_when_a_profiler_adds_it():
+    """Triton keeps launch hooks in chains that are never None: an empty chain must leave the lean path on (it
+    was off for every launch on the H200 until this was checked), a hook added must turn it off."""
+    from triton import knobs
+
+    assert not _launch._hooks()
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no hook chains")
+    hook = lambda metadata: None
+    chain.add(hook)
+    try:
+        assert _launch._hooks()
+    finally:
+        chain.remove(hook)
+    assert not _launch._hooks()
+
+
 def test_key_refuses_what_it_cannot_describe():
     class Descriptor:  # stands for a host tensor descriptor: unknown to the key, so the call takes plain Triton
         pass

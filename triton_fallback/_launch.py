@@ -11,7 +11,9 @@ another: a tensor gives (dtype, 16-byte aligned), an int (== 1, divisible by 16,
 bool its type, anything else (constexprs passed by position, None, dtypes) its value; keyword arguments
 (constexprs, num_warps, num_stages) give (name, value). ``tests/test_launch.py`` checks the refinement against
 Triton's own ``native_specialize_impl``. Slow path (plain Triton) whenever the fast one cannot be exact: a callable
-grid, a launch hook installed (profilers), interpret mode, a non-constexpr parameter given by keyword.
+grid, a launch hook installed (profilers), interpret mode, a non-constexpr parameter given by keyword. Not in
+the key: Triton's process-wide knobs (debug, instrumentation), which a process is not expected to flip between
+launches.
 """
 
 from __future__ import annotations
@@ -110,8 +112,13 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
 
 
 def _hooks() -> bool:
+    """A launch hook is installed (a profiler's): Triton 3.6 keeps them in HookChain objects, never None, so an
+    empty chain means none; an older-style plain callable counts as one."""
     rt = knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 def helion_launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
