@@ -11,7 +11,8 @@ from hkernels import _interpret
 
 _interpret.setup()  # before any kernel module is imported: triton.jit reads TRITON_INTERPRET when it decorates
 
-from hkernels import ops  # noqa: E402  (the Helion kernels' package, callable: hkernels.ops() lists the ops)
+# ops: the Helion kernels' package, callable (hkernels.ops() lists the ops); nn: modules over the ops
+from hkernels import nn, ops  # noqa: E402
 from hkernels.dispatch import (  # noqa: E402
     BackendUnavailableError,
     HKernelsFallbackWarning,
@@ -32,6 +33,7 @@ from hkernels.functional import (  # noqa: E402
     softmax,
     swiglu,
 )
+from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
 
 __version__ = "0.1.0"
 
@@ -46,11 +48,14 @@ __all__ = [
     "geglu",
     "layer_norm",
     "matmul",
+    "nn",
     "ops",
+    "patch",
     "rms_norm",
     "rope",
     "selected_backend",
     "softmax",
     "swiglu",
+    "unpatch",
     "use_backend",
 ]

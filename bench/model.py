@@ -1,0 +1,172 @@
+"""A Llama-style decoder for end-to-end measurements (random init, no downloads).
+
+Module names and layout follow Hugging Face's LlamaForCausalLM (``model.embed_tokens``, ``model.layers[i].
+{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``model.norm``,
+``lm_head``), with plain torch parts (``torch.nn.RMSNorm``, SDPA attention, a module-level
+``apply_rotary_pos_emb``), so that ``hkernels.patch`` and Liger's modules can be swapped in as they would be in a
+real model. The loss is Hugging Face's causal-LM loss: position t predicts token t + 1, logits in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_base: float = 500000.0
+    rms_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+
+CONFIGS = {
+    # Llama-3.2-1B's shape (1.24 B parameters with tied embeddings): vocabulary 128256, 16 layers of 2048.
+    "1b": Config(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    # A few-layer model for tests and CPU smoke runs.
+    "tiny": Config(256, 64, 176, 2, 4, 2),
+}
+
+
+@dataclass
+class CausalLMOutput:
+    loss: Tensor | None = None
+    logits: Tensor | None = None
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: object = None,
+                         unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Hugging Face's rotary embedding: q, k [B, H, S, D]; cos, sin [B, S, D]. (hkernels.patch replaces it.)"""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # looked up at call time: patchable
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, cfg.rope_base)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        cos, sin = self.rotary_emb(x, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaLike(nn.Module):
+    """``forward(input_ids [B, S], labels=None)`` -> CausalLMOutput(loss, logits [B, S, V])."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> CausalLMOutput:
+        logits = self.lm_head(self.model(input_ids))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def hkernels_loss_inputs(self, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, type]:
+        """For hkernels.patch's fused loss: the final hidden states that predict, the labels they predict, and
+        the output type."""
+        hidden = self.model(input_ids)
+        return hidden[:, :-1], labels[:, 1:], CausalLMOutput
+
+
+def build(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+          seed: int = 0) -> LlamaLike:
+    """A model of config ``name`` (see CONFIGS), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaLike(CONFIGS[name])
+    return model.to(dtype)

@@ -1,0 +1,211 @@
+"""Modules over hkernels' ops: drop-ins for torch.nn's norms and the usual Llama-style blocks.
+
+Each module has the constructor arguments, parameter names and ``state_dict`` of the module it replaces
+(``torch.nn.RMSNorm``, ``torch.nn.LayerNorm``, a Hugging Face Llama MLP's ``gate_proj`` / ``up_proj`` /
+``down_proj``, Llama's rotary embedding with a non-persistent ``inv_freq``), so checkpoints load both ways; its
+forward calls the dispatcher like the functional ops (``HKERNELS_BACKEND``, :func:`hkernels.use_backend`).
+:func:`hkernels.patch.patch` swaps them into an existing model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hkernels import functional
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "CrossEntropyLoss",
+    "GeGLUMLP",
+    "LayerNorm",
+    "LinearCrossEntropyLoss",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+]
+
+
+def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+
+
+def _over_last(x: Tensor, dims: int, module: str) -> Tensor:
+    """[..., *normalized_shape] -> [..., prod(normalized_shape)]: the ops normalise over one trailing dim."""
+    if x.dim() < dims:
+        raise ValueError(f"hkernels.nn.{module}: input of shape {list(x.shape)} has fewer dims than the normalized "
+                         f"shape ({dims})")
+    return x if dims == 1 else x.flatten(-dims)
+
+
+class RMSNorm(nn.Module):
+    """``torch.nn.RMSNorm`` on :func:`hkernels.rms_norm`: same arguments, parameter (``weight``) and state_dict.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch."""
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dims = len(self.normalized_shape)
+        if tuple(x.shape[-dims:]) != self.normalized_shape:
+            raise ValueError(f"hkernels.nn.RMSNorm: input's trailing dims {list(x.shape[-dims:])} are not the "
+                             f"normalized shape {list(self.normalized_shape)}")
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        w = None if self.weight is None else self.weight.reshape(-1)
+        return functional.rms_norm(_over_last(x, dims, "RMSNorm"), w, eps).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(nn.Module):
+    """``torch.nn.LayerNorm`` on :func:`hkernels.layer_norm`: same arguments, parameters (``weight``, ``bias``)
+    and state_dict."""
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dims = len(self.normalized_shape)
+        if tuple(x.shape[-dims:]) != self.normalized_shape:
+            raise ValueError(f"hkernels.nn.LayerNorm: input's trailing dims {list(x.shape[-dims:])} are not the "
+                             f"normalized shape {list(self.normalized_shape)}")
+        w = None if self.weight is None else self.weight.reshape(-1)
+        b = None if self.bias is None else self.bias.reshape(-1)
+        return functional.layer_norm(_over_last(x, dims, "LayerNorm"), w, b, self.eps).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class SwiGLUMLP(nn.Module):
+    """A Llama MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with the gate on :func:`hkernels.swiglu`.
+    Parameters as Hugging Face's LlamaMLP: ``gate_proj``, ``up_proj`` ([I, H]), ``down_proj`` ([H, I])."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(functional.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """A GeGLU MLP (Gemma's layout), ``down_proj(gelu(gate_proj(x), approximate) * up_proj(x))``, on
+    :func:`hkernels.geglu`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, approximate: str = "tanh",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, intermediate_size, bias, device, dtype)
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(functional.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
+
+
+class RotaryEmbedding(nn.Module):
+    """Llama's rotary tables: ``forward(x, position_ids)`` -> ``(cos, sin)``, each [B, S, D] in x's dtype, with
+    ``inv_freq = base^(-2i/D)`` a non-persistent buffer (so the state_dict is empty, as Hugging Face's);
+    :meth:`apply` rotates q [B, Hq, S, D] and k [B, Hk, S, D] with :func:`hkernels.rope`."""
+
+    def __init__(self, dim: int, base: float = 10000.0, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"hkernels.nn.RotaryEmbedding: the head dim must be even, got {dim}")
+        self.dim, self.base = dim, base
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        # [B, S, D/2] angles in float32 (positions up to 2^24 are exact), then both halves (rotate_half layout)
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :].to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    @staticmethod
+    def apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return functional.rope(q, k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+
+
+class CrossEntropyLoss(nn.Module):
+    """``torch.nn.CrossEntropyLoss`` for [N, C] logits and [N] class targets on :func:`hkernels.cross_entropy`
+    (class weights are not supported; other input layouts go to ``F.cross_entropy``)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        if input.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
+            return functional.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
+        return F.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                               label_smoothing=self.label_smoothing)
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """The loss of an LM head without its logits: ``forward(hidden [..., H], weight [V, H], target [...],
+    bias=None)`` is ``cross_entropy(hidden @ weight.T + bias, target)`` by
+    :func:`hkernels.fused_linear_cross_entropy` (leading dims flattened)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
+        if hidden.shape[:-1] != target.shape:
+            raise ValueError(f"hkernels.nn.LinearCrossEntropyLoss: hidden {list(hidden.shape)} and target "
+                             f"{list(target.shape)} must agree on the leading dims")
+        tokens = math.prod(target.shape)
+        loss = functional.fused_linear_cross_entropy(
+            hidden.reshape(tokens, hidden.shape[-1]), weight, target.reshape(tokens), bias, self.ignore_index,
+            self.reduction, self.label_smoothing,
+        )
+        return loss.view(target.shape) if self.reduction == "none" else loss

@@ -1,0 +1,224 @@
+"""``hkernels.patch(model)``: swap hkernels' ops into an existing model, in place; ``hkernels.unpatch(model)``
+puts everything back.
+
+What is replaced (``ops`` picks; default all):
+- ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face-style RMSNorm classes (a class whose name ends in
+  "RMSNorm" with a ``weight`` of the last dim and ``variance_epsilon`` or ``eps``: LlamaRMSNorm, MistralRMSNorm,
+  Qwen2RMSNorm) -> :class:`hkernels.nn.RMSNorm` holding the same Parameter objects;
+- ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
+- ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
+  ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
+  :func:`hkernels.geglu`;
+- ``rope``: the module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of the modules that define the model's
+  classes (Hugging Face's convention; ``bench.model`` follows it) -> :func:`hkernels.rope`;
+- ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
+  CrossEntropyLoss`;
+- ``fused_linear_cross_entropy``: the forward of causal-LM modules that declare how their loss is computed
+  (``hkernels_loss_inputs(input_ids, labels, **kwargs) -> (hidden [..., H], shifted labels [...], output_cls)``,
+  see ``bench.model``): with labels, the loss of ``lm_head`` without logits.
+
+Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
+unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hkernels import functional
+from hkernels import nn as hnn
+
+Tensor = torch.Tensor
+
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
+_RECORD = "_hkernels_patches"
+
+
+@dataclass
+class Replacement:
+    """One change made by :func:`patch`: ``where`` (a module path, or ``module.function``), the op, ``kind``
+    ("module", "forward" or "function"), and the objects before and after."""
+
+    where: str
+    op: str
+    kind: str
+    old: Any
+    new: Any
+
+    def __repr__(self) -> str:
+        return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {_name(self.new)})"
+
+
+def _name(o: Any) -> str:
+    o = getattr(o, "__func__", o)  # a bound forward: its function
+    if not hasattr(o, "__qualname__"):
+        o = type(o)  # a module instance: its class
+    return f"{o.__module__}.{o.__qualname__}"
+
+
+def _hf_rms_norm(m: nn.Module) -> float | None:
+    """eps of a Hugging Face-style RMSNorm (weight over the last dim), else None."""
+    if not type(m).__name__.endswith("RMSNorm") or isinstance(m, (nn.RMSNorm, hnn.RMSNorm)):
+        return None
+    w = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(eps, float):
+        return None
+    # Gemma's RMSNorm scales by (1 + weight): not the same function; its class says so by an offset attribute
+    # or name. Leave those alone rather than be silently wrong.
+    if "Gemma" in type(m).__name__:
+        return None
+    return eps
+
+
+def _new_rms_norm(m: nn.Module) -> nn.Module | None:
+    if isinstance(m, nn.RMSNorm):
+        new = hnn.RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
+        new.weight = m.weight
+        return new
+    eps = _hf_rms_norm(m)
+    if eps is None:
+        return None
+    new = hnn.RMSNorm(m.weight.shape[0], eps, True, device="meta")
+    new.weight = m.weight
+    return new
+
+
+def _new_layer_norm(m: nn.Module) -> nn.Module | None:
+    if not isinstance(m, nn.LayerNorm) or isinstance(m, hnn.LayerNorm):
+        return None
+    new = hnn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
+    new.weight, new.bias = m.weight, m.bias
+    return new
+
+
+def _new_loss(m: nn.Module) -> nn.Module | None:
+    if type(m) is not nn.CrossEntropyLoss or m.weight is not None:
+        return None
+    return hnn.CrossEntropyLoss(m.ignore_index, m.reduction, m.label_smoothing)
+
+
+def _mlp_gate(m: nn.Module) -> str | None:
+    """"swiglu" / "geglu" for a Llama-style MLP whose activation hkernels has, else None."""
+    if not all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    act = getattr(m, "act_fn", None)
+    if isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"):
+        return "swiglu"
+    if (isinstance(act, nn.GELU) and act.approximate == "tanh") or type(act).__name__ in (
+            "GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"):
+        return "geglu"
+    return None
+
+
+def _swiglu_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return self.down_proj(functional.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _geglu_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return self.down_proj(functional.geglu(self.gate_proj(x), self.up_proj(x), "tanh"))
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Any = None,
+                         unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb`` on :func:`hkernels.rope`: q, k [B, H, S, D] (``unsqueeze_dim=1``)
+    or [B, S, H, D] (``unsqueeze_dim=2``); cos, sin [B, S, D] or [S, D]. Returns rotated q and k in q's dtype
+    and layout."""
+    if unsqueeze_dim == 2:
+        qr, kr = functional.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return qr.transpose(1, 2), kr.transpose(1, 2)
+    if unsqueeze_dim != 1:
+        raise ValueError(f"hkernels.patch.apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+    return functional.rope(q, k, cos, sin)
+
+
+apply_rotary_pos_emb.hkernels = True  # type: ignore[attr-defined]
+
+
+def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels: Tensor | None = None,
+                       **kwargs: Any) -> Any:
+    """A causal LM's forward with labels: the loss of its LM head by the fused linear cross-entropy, no logits."""
+    if labels is None:
+        return type(self).forward(self, input_ids, labels=labels, **kwargs)
+    hidden, shifted, output = self.hkernels_loss_inputs(input_ids, labels, **kwargs)
+    head = self.lm_head
+    tokens = shifted.numel()
+    loss = functional.fused_linear_cross_entropy(
+        hidden.reshape(tokens, hidden.shape[-1]), head.weight, shifted.reshape(tokens), head.bias,
+    )
+    return output(loss=loss, logits=None)
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, attr = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), attr
+
+
+def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None) -> list[Replacement]:
+    """Replace, in place, the parts of ``model`` that hkernels has ops for (``ops``: names from
+    :data:`OPS`, a comma-separated string or a list; default all). Returns what was replaced in this call
+    (empty when nothing matched); patching twice replaces nothing the second time."""
+    if isinstance(ops, str):
+        ops = [o.strip() for o in ops.split(",") if o.strip()]
+    wanted = set(OPS if ops is None else ops)
+    unknown = wanted - set(OPS)
+    if unknown:
+        raise ValueError(f"hkernels.patch: unknown op(s) {sorted(unknown)}; valid: {', '.join(OPS)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hkernels.patch: model must be a torch.nn.Module, got {type(model).__name__}")
+    done: list[Replacement] = []
+    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss)]
+    for path, m in list(model.named_modules()):
+        if not path:
+            continue
+        for op, build in builders:
+            if op in wanted:
+                new = build(m)
+                if new is not None:
+                    parent, attr = _parent(model, path)
+                    setattr(parent, attr, new)
+                    done.append(Replacement(path, op, "module", m, new))
+                    break
+    for path, m in model.named_modules():
+        gate = _mlp_gate(m)
+        if gate is not None and gate in wanted and "forward" not in m.__dict__:
+            m.forward = types.MethodType(_swiglu_forward if gate == "swiglu" else _geglu_forward, m)
+            done.append(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
+        if ("fused_linear_cross_entropy" in wanted and hasattr(m, "hkernels_loss_inputs")
+                and isinstance(getattr(m, "lm_head", None), nn.Linear) and "forward" not in m.__dict__):
+            m.forward = types.MethodType(_causal_lm_forward, m)
+            done.append(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
+                                    m.forward))
+    if "rope" in wanted:
+        for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+            mod = sys.modules.get(mod_name)
+            fn = getattr(mod, "apply_rotary_pos_emb", None)
+            if callable(fn) and not getattr(fn, "hkernels", False):
+                mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+                done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn,
+                                        apply_rotary_pos_emb))
+    model.__dict__.setdefault(_RECORD, []).extend(done)
+    return done
+
+
+def unpatch(model: nn.Module) -> list[Replacement]:
+    """Undo every :func:`patch` of ``model``, newest first; returns what was restored. A function replaced in a
+    module (rope) is restored for every model that uses that module."""
+    done: list[Replacement] = model.__dict__.pop(_RECORD, [])
+    for r in reversed(done):
+        if r.kind == "module":
+            parent, attr = _parent(model, r.where)
+            setattr(parent, attr, r.old)
+        elif r.kind == "forward":
+            target = model if r.where == "<model>" else model.get_submodule(r.where)
+            target.__dict__.pop("forward", None)
+        else:
+            mod_name, _, fn_name = r.where.rpartition(".")
+            setattr(sys.modules[mod_name], fn_name, r.old)
+    return list(reversed(done))
