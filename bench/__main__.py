@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.compare import main as compare
 
         return compare(argv[1:])
+    if argv[:1] == ["train"]:
+        from bench.train import main as train
+
+        return train(argv[1:])
     args = _parse(argv)
     on_gpu = torch.cuda.is_available()
     interpret = os.environ.get("HKERNELS_INTERPRET", "") == "1"

@@ -1,0 +1,296 @@
+"""``python -m bench train``: whole training steps of a Llama-style decoder (``bench.model``), per variant:
+
+- ``eager``: plain PyTorch (``torch.nn.RMSNorm``, SDPA, ``F.cross_entropy`` over the full logits);
+- ``hkernels`` / ``hkernels-helion`` / ``hkernels-triton``: the same model after ``hkernels.patch`` (norms, SwiGLU,
+  rope, the fused linear loss), on the ``auto`` backend or one backend;
+- ``torch_compile``: the plain model under ``torch.compile``;
+- ``liger``: Liger-Kernel's kernels in the same places (its RMSNorm, SiLU-mul, rope and fused linear loss), when it
+  is importable (a peer, never a dependency).
+
+Each variant starts from the same weights (one seed) and trains on the same batches: tokens drawn from a fixed
+random Markov chain (every token has 4 successors), so the loss falls from ln(V) towards ln(4) and curves can be
+compared. Reported: tokens/s over the timed steps (after warm-up), peak memory allocated during them, the last
+loss. ``--converge N`` also trains eager and hkernels (auto) for N steps each and compares their loss curves
+(10-step moving averages; the tolerance is printed with the result), with a plot when matplotlib is there.
+
+On a CPU this runs only with ``HKERNELS_INTERPRET=1`` and the tiny model (a smoke test of the harness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+VARIANTS = ("eager", "hkernels", "hkernels-helion", "hkernels-triton", "torch_compile", "liger")
+# Loss curves "match" when the 10-step moving averages differ by at most this fraction of eager's (plus a floor):
+# bf16 training is not bitwise reproducible across kernels, so single steps wander; trends must not.
+CURVE_RTOL, CURVE_ATOL, SMOOTH = 0.02, 0.02, 10
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b", help="a bench.model config: 1b or tiny")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, caches)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--converge", type=int, default=0, help="also compare eager's and hkernels' loss over N steps")
+    p.add_argument("--converge-variant", default="hkernels", help="the hkernels variant whose curve is compared")
+    p.add_argument("--out", type=Path, default=None, help="where to write results.json (and loss_curves.png)")
+    return p.parse_args(argv)
+
+
+def markov_batches(vocab: int, batch: int, seq: int, seed: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """Endless [batch, seq] token batches from one fixed random Markov chain (4 successors per token)."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=g)
+    while True:
+        ids = torch.empty(batch, seq, dtype=torch.int64)
+        ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        picks = torch.randint(0, 4, (batch, seq), generator=g)
+        for t in range(1, seq):
+            ids[:, t] = successors[ids[:, t - 1], picks[:, t]]
+        yield ids.to(device)
+
+
+# ------------------------------------------------------------------------------------------------ Liger
+
+
+def _liger_patch(model: nn.Module) -> Callable[[], None]:
+    """Liger's kernels in the places hkernels.patch uses; returns the undo."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    from bench import model as bench_model
+
+    class LigerRMSNorm(nn.Module):
+        def __init__(self, old: nn.RMSNorm) -> None:
+            super().__init__()
+            self.weight, self.eps = old.weight, old.eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return LigerRMSNormFunction.apply(x, self.weight, self.eps)
+
+    undo: list[Callable[[], None]] = []
+    for path, m in list(model.named_modules()):
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if isinstance(m, nn.RMSNorm):
+            setattr(parent, attr, LigerRMSNorm(m))
+            undo.append(lambda p=parent, a=attr, o=m: setattr(p, a, o))
+        if isinstance(m, bench_model.MLP):
+            m.forward = types.MethodType(
+                lambda self, x: self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x))), m)
+            undo.append(lambda m=m: m.__dict__.pop("forward"))
+    rope = bench_model.apply_rotary_pos_emb
+    bench_model.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: LigerRopeFunction.apply(q, k, cos, sin)
+    undo.append(lambda: setattr(bench_model, "apply_rotary_pos_emb", rope))
+
+    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        if labels is None:
+            return type(self).forward(self, input_ids)
+        hidden, shifted, output = self.hkernels_loss_inputs(input_ids, labels)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        return output(loss=LigerFusedLinearCrossEntropyFunction.apply(h, self.lm_head.weight, shifted.reshape(-1))[0])
+
+    model.forward = types.MethodType(forward, model)
+    undo.append(lambda: model.__dict__.pop("forward"))
+    return lambda: [u() for u in reversed(undo)]
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+@contextlib.contextmanager
+def _variant(name: str, model: nn.Module) -> Iterator[Callable[..., Any]]:
+    """The model's training forward for variant ``name`` (patched or compiled), undone afterwards."""
+    import hkernels
+
+    if name == "eager":
+        yield model
+    elif name.startswith("hkernels"):
+        backend = name.partition("-")[2] or "auto"
+        hkernels.patch(model)
+        try:
+            with hkernels.use_backend(backend):
+                yield model
+        finally:
+            hkernels.unpatch(model)
+    elif name == "torch_compile":
+        yield torch.compile(model)
+    elif name == "liger":
+        undo = _liger_patch(model)
+        try:
+            yield model
+        finally:
+            undo()
+    else:
+        raise ValueError(f"bench train: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+
+
+def train(name: str, args: argparse.Namespace, device: torch.device, steps: int, warmup: int,
+          say: Callable[[str], None]) -> dict[str, Any]:
+    """``warmup`` + ``steps`` AdamW steps of variant ``name`` from the shared seed; its numbers and losses."""
+    from bench import model as bench_model
+
+    dtype = getattr(torch, args.dtype)
+    model = bench_model.build(args.model, device=device, dtype=dtype, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    data = markov_batches(model.config.vocab_size, args.batch, args.seq, seed=1, device=device)
+    losses: list[float] = []
+    on_gpu = device.type == "cuda"
+    result: dict[str, Any] = {"variant": name}
+    with _variant(name, model) as fwd:
+        for i in range(warmup + steps):
+            if i == warmup:
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+            ids = next(data)
+            loss = fwd(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())  # a sync per step: the same for every variant
+            if (i + 1) % max(1, (warmup + steps) // 10) == 0 or i + 1 == warmup + steps:
+                say(f"  {name}: step {i + 1}/{warmup + steps}, loss {losses[-1]:.4f}")
+            if not math.isfinite(losses[-1]):
+                result["error"] = f"loss is {losses[-1]} at step {i + 1}"
+                break
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0 if steps else float("nan")
+    tokens = args.batch * args.seq * steps
+    result.update(
+        tokens_per_s=tokens / elapsed if steps and elapsed > 0 else None,
+        step_ms=elapsed / steps * 1e3 if steps else None,
+        peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None,
+        last_loss=losses[-1] if losses else None,
+        losses=losses,
+    )
+    del model, opt
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
+    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+
+
+def compare_curves(eager: list[float], ours: list[float]) -> dict[str, Any]:
+    """Worst deviation of ours from eager's loss curve (moving averages) against the tolerance."""
+    a, b = _smooth(eager), _smooth(ours)
+    worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i]) / (CURVE_RTOL * abs(a[i]) + CURVE_ATOL))
+    excess = abs(a[worst] - b[worst]) / (CURVE_RTOL * abs(a[worst]) + CURVE_ATOL)
+    return {"match": excess <= 1.0, "worst_step": worst + 1, "eager": a[worst], "hkernels": b[worst],
+            "tolerance": f"|smoothed difference| <= {CURVE_RTOL} x eager + {CURVE_ATOL} ({SMOOTH}-step moving average)"}
+
+
+def _plot(curves: dict[str, list[float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, alpha=0.4, linewidth=0.8)
+        ax.plot(range(1, len(ys) + 1), _smooth(ys), label=f"{name} ({SMOOTH}-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    say = lambda s: print(s, file=sys.stderr, flush=True)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not (os.environ.get("HKERNELS_INTERPRET") == "1" and args.model == "tiny"):
+        say("bench train: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --model tiny, a smoke test)")
+        return 2
+    device = torch.device("cuda" if on_gpu else "cpu")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        say(f"bench train: unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
+        return 2
+    from bench.ops import LIGER
+
+    if "liger" in variants and not LIGER:
+        say("bench train: liger-kernel is not importable here; skipping the liger variant")
+        variants.remove("liger")
+    rows = []
+    for i, name in enumerate(variants, 1):
+        say(f"[{i}/{len(variants)}] {name}: {args.model}, batch {args.batch} x seq {args.seq}, {args.dtype}")
+        try:
+            rows.append(train(name, args, device, args.steps, args.warmup, say))
+        except Exception as e:  # one variant failing (memory, a compile error) must not lose the others
+            say(f"  {name} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            if on_gpu:
+                torch.cuda.empty_cache()
+    converge = None
+    if args.converge and args.converge_variant not in VARIANTS[1:4]:
+        say(f"bench train: --converge-variant must be one of {', '.join(VARIANTS[1:4])}")
+        return 2
+    if args.converge:
+        ours = args.converge_variant
+        say(f"convergence: eager and {ours}, {args.converge} steps each")
+        curves = {n: train(n, args, device, args.converge, 0, say)["losses"] for n in ("eager", ours)}
+        converge = compare_curves(curves["eager"], curves[ours])
+        converge["variant"] = ours
+        converge["steps"] = args.converge
+        converge["curves"] = curves
+    out = args.out
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        env = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "steps": args.steps,
+               "warmup": args.warmup, "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+               "torch": torch.__version__, "commit": os.environ.get("HKERNELS_COMMIT")}
+        (out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "converge": converge}, indent=1))
+        if converge is not None and _plot(converge["curves"], out / "loss_curves.png"):
+            say(f"plot: {out / 'loss_curves.png'}")
+    eager = next((r for r in rows if r["variant"] == "eager" and r.get("tokens_per_s")), None)
+    print(f"\n{'variant':16s} {'tokens/s':>10s} {'step ms':>9s} {'peak MiB':>9s} {'vs eager':>8s} {'mem/eager':>9s} "
+          f"{'last loss':>9s}")
+    for r in rows:
+        if r.get("error") and not r.get("tokens_per_s"):
+            print(f"{r['variant']:16s} failed: {r['error'][:100]}")
+            continue
+        tps, peak = r["tokens_per_s"], r["peak_mib"]
+        speed = f"{tps / eager['tokens_per_s']:.2f}" if eager else "-"
+        mem = f"{peak / eager['peak_mib']:.2f}" if eager and peak and eager["peak_mib"] else "-"
+        print(f"{r['variant']:16s} {tps:10.0f} {r['step_ms']:9.1f} {peak or 0:9.0f} {speed:>8s} {mem:>9s} "
+              f"{r['last_loss']:9.4f}")
+    if converge is not None:
+        verdict = "match" if converge["match"] else "DO NOT match"
+        print(f"\nloss curves over {converge['steps']} steps, eager vs {converge['variant']}: {verdict} (worst at step "
+              f"{converge['worst_step']}: eager {converge['eager']:.4f}, {converge['variant']} "
+              f"{converge['hkernels']:.4f}; {converge['tolerance']})")
+    failed = any(r.get("error") for r in rows) or (converge is not None and not converge["match"])
+    return 1 if failed else 0
