@@ -13,9 +13,11 @@ What is replaced (``ops`` picks; default all):
   classes (Hugging Face's convention; ``bench.model`` follows it) -> :func:`hkernels.rope`;
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
   CrossEntropyLoss`;
-- ``fused_linear_cross_entropy``: the forward of causal-LM modules that declare how their loss is computed
-  (``hkernels_loss_inputs(input_ids, labels, **kwargs) -> (hidden [..., H], shifted labels [...], output_cls)``,
-  see ``bench.model``): with labels, the loss of ``lm_head`` without logits.
+- ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
+  logits (the output's ``logits`` is None). Hugging Face's Llama, Mistral, Qwen2 and Qwen3 ``*ForCausalLM``
+  (their shifted loss, ``num_items_in_batch``, ``shift_labels``), and modules that declare how their loss is
+  computed (``hkernels_loss_inputs(input_ids, labels) -> (hidden [..., H], shifted labels [...], output_cls)``,
+  as ``bench.model`` does). Calls without labels run the model's own forward.
 
 Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
 unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order.
@@ -23,6 +25,7 @@ unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes th
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -129,7 +132,17 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
                          unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
     """Hugging Face's ``apply_rotary_pos_emb`` on :func:`hkernels.rope`: q, k [B, H, S, D] (``unsqueeze_dim=1``)
     or [B, S, H, D] (``unsqueeze_dim=2``); cos, sin [B, S, D] or [S, D]. Returns rotated q and k in q's dtype
-    and layout."""
+    and layout. (Signature of transformers 4.x; :func:`apply_rotary_pos_emb_v5` has 5.x's, without position_ids.)"""
+    return _rotate(q, k, cos, sin, unsqueeze_dim)
+
+
+def apply_rotary_pos_emb_v5(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                            unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """:func:`apply_rotary_pos_emb` with transformers 5.x's signature (no position_ids)."""
+    return _rotate(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
     if unsqueeze_dim == 2:
         qr, kr = functional.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qr.transpose(1, 2), kr.transpose(1, 2)
@@ -138,7 +151,23 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
     return functional.rope(q, k, cos, sin)
 
 
-apply_rotary_pos_emb.hkernels = True  # type: ignore[attr-defined]
+apply_rotary_pos_emb.hkernels = apply_rotary_pos_emb_v5.hkernels = True  # type: ignore[attr-defined]
+
+
+def _rope_for(fn: Any) -> Any:
+    """Our replacement with the same parameters as ``fn`` (positional calls must bind the same way), or None when
+    ``fn`` is not Hugging Face's shape of it."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params[:4] != ["q", "k", "cos", "sin"]:
+        return None
+    if params[4:] == ["position_ids", "unsqueeze_dim"]:
+        return apply_rotary_pos_emb
+    if params[4:] in (["unsqueeze_dim"], []):
+        return apply_rotary_pos_emb_v5
+    return None
 
 
 def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels: Tensor | None = None,
@@ -153,6 +182,51 @@ def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels:
         hidden.reshape(tokens, hidden.shape[-1]), head.weight, shifted.reshape(tokens), head.bias,
     )
     return output(loss=loss, logits=None)
+
+
+# Hugging Face causal LMs whose loss is the plain shifted cross-entropy of ``lm_head(model(...))`` (no logit
+# soft-capping or scaling), patched by class name.
+HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None,
+                          **kwargs: Any) -> Any:
+    """A Hugging Face ``*ForCausalLM.forward`` that, given labels, computes its loss (token t predicts t + 1,
+    ``num_items_in_batch`` and ``shift_labels`` honoured) by the fused linear cross-entropy: no logits."""
+    if args or (labels is None and kwargs.get("shift_labels") is None):
+        return type(self).forward(self, input_ids, *args, labels=labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    kwargs.pop("logits_to_keep", None)
+    outputs = self.model(input_ids=input_ids, **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    head = self.lm_head
+    loss = functional.fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device), head.bias,
+        reduction="mean" if num_items is None else "sum",
+    )
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    rest = {k: getattr(outputs, k, None) for k in ("cache", "past_key_values", "hidden_states", "attentions")
+            if k in fields}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _loss_forward(m: nn.Module) -> Any:
+    """The fused-loss forward for ``m`` (ours for modules that declare ``hkernels_loss_inputs``, or a known
+    Hugging Face causal LM), else None."""
+    if not isinstance(getattr(m, "lm_head", None), nn.Linear) or "forward" in m.__dict__:
+        return None
+    if hasattr(m, "hkernels_loss_inputs"):
+        return _causal_lm_forward
+    if type(m).__name__ in HF_CAUSAL_LMS and type(m).__module__.startswith("transformers.") and hasattr(m, "model"):
+        return _hf_causal_lm_forward
+    return None
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -190,19 +264,19 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
         if gate is not None and gate in wanted and "forward" not in m.__dict__:
             m.forward = types.MethodType(_swiglu_forward if gate == "swiglu" else _geglu_forward, m)
             done.append(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
-        if ("fused_linear_cross_entropy" in wanted and hasattr(m, "hkernels_loss_inputs")
-                and isinstance(getattr(m, "lm_head", None), nn.Linear) and "forward" not in m.__dict__):
-            m.forward = types.MethodType(_causal_lm_forward, m)
+        loss_forward = _loss_forward(m) if "fused_linear_cross_entropy" in wanted else None
+        if loss_forward is not None:
+            m.forward = types.MethodType(loss_forward, m)
             done.append(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
                                     m.forward))
     if "rope" in wanted:
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
             mod = sys.modules.get(mod_name)
             fn = getattr(mod, "apply_rotary_pos_emb", None)
-            if callable(fn) and not getattr(fn, "hkernels", False):
-                mod.apply_rotary_pos_emb = apply_rotary_pos_emb
-                done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn,
-                                        apply_rotary_pos_emb))
+            ours = _rope_for(fn) if callable(fn) and not getattr(fn, "hkernels", False) else None
+            if ours is not None:
+                mod.apply_rotary_pos_emb = ours
+                done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn, ours))
     model.__dict__.setdefault(_RECORD, []).extend(done)
     return done
 

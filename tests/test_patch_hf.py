@@ -1,0 +1,97 @@
+"""hkernels.patch on Hugging Face's own Llama, Mistral and Qwen2 classes (tiny random-init configs, no downloads):
+what it replaces, loss and gradients against the unpatched model, unpatch, state_dicts both ways."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import hkernels
+from hkernels import nn as hnn
+from hkernels.patch import unpatch
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2"]
+
+
+def _tiny(family: str, device: torch.device):
+    cfg_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[family]
+    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_cls(cfg).to(device)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_patch_replaces_norms_mlps_rope_and_loss(family, device):
+    model, _ = _tiny(family, device)
+    module = importlib.import_module(type(model).__module__)
+    original_rope = module.apply_rotary_pos_emb
+    done = hkernels.patch(model)
+    try:
+        ops = sorted({r.op for r in done})
+        assert ops == ["fused_linear_cross_entropy", "rms_norm", "rope", "swiglu"], ops
+        assert sum(r.op == "rms_norm" for r in done) == 2 * 2 + 1
+        assert isinstance(model.model.norm, hnn.RMSNorm)
+        assert module.apply_rotary_pos_emb is not original_rope
+    finally:
+        unpatch(model)
+    assert module.apply_rotary_pos_emb is original_rope
+    assert type(model.model.norm).__name__.endswith("RMSNorm") and not isinstance(model.model.norm, hnn.RMSNorm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_patched_loss_and_gradients_match(family, device):
+    model, ids = _tiny(family, device)
+    plain = copy.deepcopy(model)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    want = plain(input_ids=ids, labels=labels).loss
+    want.backward()
+    hkernels.patch(model)
+    try:
+        with hkernels.use_backend("triton"):
+            out = model(input_ids=ids, labels=labels)
+            assert out.logits is None
+            out.loss.backward()
+        torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        # num_items_in_batch (gradient accumulation): sum over tokens / the count, as Hugging Face's loss
+        n = torch.tensor(7)
+        with torch.no_grad(), hkernels.use_backend("triton"):
+            got = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+            ref = plain(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # without labels: logits as before
+            torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-3,
+                                       atol=1e-4)
+    finally:
+        unpatch(model)
+
+
+def test_hf_state_dict_loads_both_ways(device):
+    model, _ = _tiny("llama", device)
+    plain, _ = _tiny("llama", device)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(2.0)
+    hkernels.patch(model)
+    try:
+        assert model.state_dict().keys() == plain.state_dict().keys()
+        model.load_state_dict(plain.state_dict())
+        fresh, _ = _tiny("llama", device)
+        fresh.load_state_dict(model.state_dict())
+        assert torch.equal(fresh.model.norm.weight, plain.model.norm.weight)
+    finally:
+        unpatch(model)
