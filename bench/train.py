@@ -13,7 +13,13 @@ compared. Reported: tokens/s over the timed steps (after warm-up), peak memory a
 loss. ``--converge N`` also trains eager and hkernels (auto) for N steps each and compares their loss curves
 (10-step moving averages; the tolerance is printed with the result), with a plot when matplotlib is there.
 
-On a CPU this runs only with ``HKERNELS_INTERPRET=1`` and the tiny model (a smoke test of the harness).
+``--dist ddp`` / ``--dist fsdp2`` (under ``torchrun``; on H200s with ``NCCL_NVLS_ENABLE=0``): every variant wrapped
+in DistributedDataParallel or FSDP2 (``fully_shard`` per decoder layer, after patching), ``--batch`` rows per
+process out of one global batch; with ``--converge N`` the distributed curve is compared with one process training
+on the same global batches.
+
+On a CPU this runs only with ``HKERNELS_INTERPRET=1`` and the tiny model (a smoke test of the harness; ``--dist``
+uses gloo there).
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--converge", type=int, default=0, help="also compare eager's and hkernels' loss over N steps")
     p.add_argument("--converge-variant", default="hkernels", help="the hkernels variant whose curve is compared")
+    p.add_argument("--dist", default="none", choices=("none", "ddp", "fsdp2"),
+                   help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard per decoder layer) over the "
+                        "processes; --batch is per process")
     p.add_argument("--out", type=Path, default=None, help="where to write results.json (and loss_curves.png)")
     return p.parse_args(argv)
 
@@ -119,56 +128,90 @@ def _liger_patch(model: nn.Module) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _variant(name: str, model: nn.Module) -> Iterator[Callable[..., Any]]:
-    """The model's training forward for variant ``name`` (patched or compiled), undone afterwards."""
+def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> Iterator[nn.Module]:
+    """The module to train for variant ``name``: ``model`` patched (or compiled), then ``wrap``-ped (DDP, FSDP2:
+    after patching, so that the wrapper sees the final modules); patches undone afterwards."""
     import hkernels
 
     if name == "eager":
-        yield model
+        yield wrap(model)
     elif name.startswith("hkernels"):
         backend = name.partition("-")[2] or "auto"
         hkernels.patch(model)
         try:
             with hkernels.use_backend(backend):
-                yield model
+                yield wrap(model)
         finally:
             hkernels.unpatch(model)
     elif name == "torch_compile":
-        yield torch.compile(model)
+        yield torch.compile(wrap(model))
     elif name == "liger":
         undo = _liger_patch(model)
         try:
-            yield model
+            yield wrap(model)
         finally:
             undo()
     else:
         raise ValueError(f"bench train: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
 
 
+def _wrapper(mode: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    if mode == "none":
+        return lambda m: m
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return lambda m: DistributedDataParallel(m, device_ids=ids)
+
+    def fsdp2(m: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m.model.layers:  # one all-gather per decoder layer; embeddings, final norm, head: the root
+            fully_shard(layer)
+        return fully_shard(m)
+
+    return fsdp2
+
+
+def _rank_world() -> tuple[int, int]:
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
 def train(name: str, args: argparse.Namespace, device: torch.device, steps: int, warmup: int,
-          say: Callable[[str], None]) -> dict[str, Any]:
-    """``warmup`` + ``steps`` AdamW steps of variant ``name`` from the shared seed; its numbers and losses."""
+          say: Callable[[str], None], dist_mode: str = "none") -> dict[str, Any]:
+    """``warmup`` + ``steps`` AdamW steps of variant ``name`` from the shared seed; its numbers and losses
+    (``dist_mode`` "ddp" / "fsdp2": this process's share of a distributed run; tokens/s counts every process's)."""
     from bench import model as bench_model
 
     dtype = getattr(torch, args.dtype)
     model = bench_model.build(args.model, device=device, dtype=dtype, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
-    data = markov_batches(model.config.vocab_size, args.batch, args.seq, seed=1, device=device)
+    # Every process draws the same global batch (world x batch rows) and trains on its own rows: a distributed run
+    # sees exactly the data of a one-process run with the global batch.
+    rank, world = (dist_mode != "none" and _rank_world()) or (0, 1)
+    rows = slice(rank * args.batch, (rank + 1) * args.batch) if dist_mode != "none" else slice(None)
+    data = markov_batches(model.config.vocab_size, args.batch * (world if dist_mode != "none" else 1), args.seq,
+                          seed=1, device=device)
     losses: list[float] = []
     on_gpu = device.type == "cuda"
     result: dict[str, Any] = {"variant": name}
-    with _variant(name, model) as fwd:
+    with _variant(name, model, _wrapper(dist_mode, device)) as fwd:
+        opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
         for i in range(warmup + steps):
             if i == warmup:
                 if on_gpu:
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-            ids = next(data)
+            ids = next(data)[rows]
             loss = fwd(ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if dist_mode != "none":  # the global batch's loss: the mean of the ranks' (equal token counts)
+                loss = loss.detach().clone()
+                torch.distributed.all_reduce(loss)
+                loss /= world
             losses.append(loss.item())  # a sync per step: the same for every variant
             if (i + 1) % max(1, (warmup + steps) // 10) == 0 or i + 1 == warmup + steps:
                 say(f"  {name}: step {i + 1}/{warmup + steps}, loss {losses[-1]:.4f}")
@@ -178,7 +221,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
         if on_gpu:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0 if steps else float("nan")
-    tokens = args.batch * args.seq * steps
+    tokens = args.batch * args.seq * steps * (world if dist_mode != "none" else 1)
     result.update(
         tokens_per_s=tokens / elapsed if steps and elapsed > 0 else None,
         step_ms=elapsed / steps * 1e3 if steps else None,
@@ -186,7 +229,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
         last_loss=losses[-1] if losses else None,
         losses=losses,
     )
-    del model, opt
+    del model
     if on_gpu:
         torch.cuda.empty_cache()
     return result
@@ -197,12 +240,14 @@ def _smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
 
 
 def compare_curves(eager: list[float], ours: list[float]) -> dict[str, Any]:
-    """Worst deviation of ours from eager's loss curve (moving averages) against the tolerance."""
+    """Worst deviation of ours from the reference (eager's, or one process's) loss curve (moving averages) against
+    the tolerance."""
     a, b = _smooth(eager), _smooth(ours)
     worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i]) / (CURVE_RTOL * abs(a[i]) + CURVE_ATOL))
     excess = abs(a[worst] - b[worst]) / (CURVE_RTOL * abs(a[worst]) + CURVE_ATOL)
-    return {"match": excess <= 1.0, "worst_step": worst + 1, "eager": a[worst], "hkernels": b[worst],
-            "tolerance": f"|smoothed difference| <= {CURVE_RTOL} x eager + {CURVE_ATOL} ({SMOOTH}-step moving average)"}
+    return {"match": excess <= 1.0, "worst_step": worst + 1, "reference_loss": a[worst], "candidate_loss": b[worst],
+            "tolerance": f"|smoothed difference| <= {CURVE_RTOL} x reference + {CURVE_ATOL} ({SMOOTH}-step moving "
+                         "average)"}
 
 
 def _plot(curves: dict[str, list[float]], path: Path) -> bool:
@@ -226,6 +271,22 @@ def _plot(curves: dict[str, list[float]], path: Path) -> bool:
     return True
 
 
+def _init_dist(mode: str, say: Callable[[str], None]) -> tuple[torch.device, int, int] | None:
+    """Join the process group torchrun set up: (device, rank, world), or None (with the reason said)."""
+    if "WORLD_SIZE" not in os.environ:
+        say(f"bench train: --dist {mode} runs under torchrun, e.g. NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 "
+            f"-m bench train --dist {mode} ...")
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     say = lambda s: print(s, file=sys.stderr, flush=True)
@@ -233,51 +294,82 @@ def main(argv: list[str]) -> int:
     if not on_gpu and not (os.environ.get("HKERNELS_INTERPRET") == "1" and args.model == "tiny"):
         say("bench train: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --model tiny, a smoke test)")
         return 2
-    device = torch.device("cuda" if on_gpu else "cpu")
+    device, rank, world = torch.device("cuda" if on_gpu else "cpu"), 0, 1
+    if args.dist != "none":
+        joined = _init_dist(args.dist, say)
+        if joined is None:
+            return 2
+        device, rank, world = joined
+        if rank:
+            say = lambda s: None
+    try:
+        return _run(args, device, rank, world, say)
+    finally:
+        if args.dist != "none":
+            torch.distributed.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, say: Callable[[str], None]) -> int:
+    on_gpu = device.type == "cuda"
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         say(f"bench train: unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
+        return 2
+    if args.converge and args.converge_variant not in VARIANTS[1:4]:
+        say(f"bench train: --converge-variant must be one of {', '.join(VARIANTS[1:4])}")
         return 2
     from bench.ops import LIGER
 
     if "liger" in variants and not LIGER:
         say("bench train: liger-kernel is not importable here; skipping the liger variant")
         variants.remove("liger")
+    where = f", {args.dist} over {world} processes" if args.dist != "none" else ""
     rows = []
     for i, name in enumerate(variants, 1):
-        say(f"[{i}/{len(variants)}] {name}: {args.model}, batch {args.batch} x seq {args.seq}, {args.dtype}")
+        say(f"[{i}/{len(variants)}] {name}: {args.model}, batch {args.batch} x seq {args.seq}, {args.dtype}{where}")
         try:
-            rows.append(train(name, args, device, args.steps, args.warmup, say))
+            rows.append(train(name, args, device, args.steps, args.warmup, say, args.dist))
         except Exception as e:  # one variant failing (memory, a compile error) must not lose the others
             say(f"  {name} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:500]})
             if on_gpu:
                 torch.cuda.empty_cache()
     converge = None
-    if args.converge and args.converge_variant not in VARIANTS[1:4]:
-        say(f"bench train: --converge-variant must be one of {', '.join(VARIANTS[1:4])}")
-        return 2
     if args.converge:
         ours = args.converge_variant
-        say(f"convergence: eager and {ours}, {args.converge} steps each")
-        curves = {n: train(n, args, device, args.converge, 0, say)["losses"] for n in ("eager", ours)}
-        converge = compare_curves(curves["eager"], curves[ours])
-        converge["variant"] = ours
-        converge["steps"] = args.converge
-        converge["curves"] = curves
+        if args.dist == "none":  # hkernels against eager, one process
+            say(f"convergence: eager and {ours}, {args.converge} steps each")
+            names = ("eager", ours)
+            curves = {n: train(n, args, device, args.converge, 0, say)["losses"] for n in names}
+        else:  # the distributed run against one process training on the same global batches
+            say(f"convergence: {ours} {args.dist} x{world} and one process with the global batch, {args.converge} "
+                f"steps each")
+            names = (f"{ours} (one process, batch {args.batch * world})", f"{ours} ({args.dist} x{world})")
+            curves = {names[1]: train(ours, args, device, args.converge, 0, say, args.dist)["losses"]}
+            if rank == 0:
+                one = argparse.Namespace(**{**vars(args), "batch": args.batch * world})
+                curves = {names[0]: train(ours, one, device, args.converge, 0, say)["losses"], **curves}
+            torch.distributed.barrier()
+        if rank == 0:
+            converge = compare_curves(curves[names[0]], curves[names[1]])
+            converge.update(reference=names[0], candidate=names[1], steps=args.converge, curves=curves)
+    if rank:
+        return 1 if any(r.get("error") for r in rows) else 0
     out = args.out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         env = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "steps": args.steps,
-               "warmup": args.warmup, "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-               "torch": torch.__version__, "commit": os.environ.get("HKERNELS_COMMIT")}
+               "warmup": args.warmup, "dist": args.dist, "world": world,
+               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
+               "commit": os.environ.get("HKERNELS_COMMIT")}
         (out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "converge": converge}, indent=1))
         if converge is not None and _plot(converge["curves"], out / "loss_curves.png"):
             say(f"plot: {out / 'loss_curves.png'}")
     eager = next((r for r in rows if r["variant"] == "eager" and r.get("tokens_per_s")), None)
     print(f"\n{'variant':16s} {'tokens/s':>10s} {'step ms':>9s} {'peak MiB':>9s} {'vs eager':>8s} {'mem/eager':>9s} "
-          f"{'last loss':>9s}")
+          f"{'last loss':>9s}" + (f"   ({args.dist} over {world} processes; tokens/s of all, memory of one)"
+                                   if args.dist != "none" else ""))
     for r in rows:
         if r.get("error") and not r.get("tokens_per_s"):
             print(f"{r['variant']:16s} failed: {r['error'][:100]}")
@@ -289,8 +381,8 @@ def main(argv: list[str]) -> int:
               f"{r['last_loss']:9.4f}")
     if converge is not None:
         verdict = "match" if converge["match"] else "DO NOT match"
-        print(f"\nloss curves over {converge['steps']} steps, eager vs {converge['variant']}: {verdict} (worst at step "
-              f"{converge['worst_step']}: eager {converge['eager']:.4f}, {converge['variant']} "
-              f"{converge['hkernels']:.4f}; {converge['tolerance']})")
+        print(f"\nloss curves over {converge['steps']} steps, {converge['reference']} vs {converge['candidate']}: "
+              f"{verdict} (worst at step {converge['worst_step']}: {converge['reference_loss']:.4f} vs "
+              f"{converge['candidate_loss']:.4f}; {converge['tolerance']})")
     failed = any(r.get("error") for r in rows) or (converge is not None and not converge["match"])
     return 1 if failed else 0

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
 
 from bench import train
 
@@ -15,7 +21,7 @@ def test_train_smoke_writes_results(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["variant"] for r in data["rows"]] == ["eager", "hkernels-triton"]
     assert all(r.get("tokens_per_s") and len(r["losses"]) == 2 for r in data["rows"])
-    assert len(data["converge"]["curves"]["eager"]) == 3
+    assert len(data["converge"]["curves"]["eager"]) == 3 and data["converge"]["reference"] == "eager"
     assert rc == (0 if data["converge"]["match"] else 1)
 
 
@@ -39,3 +45,23 @@ def test_markov_batches_are_reproducible_and_learnable():
     for x, y in pairs:
         by_first.setdefault(x, set()).add(y)
     assert max(len(v) for v in by_first.values()) <= 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two processes on CPU (gloo); a GPU machine runs this on GPUs")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_train_distributed_matches_one_process(mode, tmp_path):
+    """torchrun with two CPU processes: the patched tiny model under DDP / FSDP2 trains, and its loss curve matches
+    one process training on the same global batches."""
+    env = {**os.environ, "HKERNELS_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "bench", "train",
+           "--model", "tiny", "--dist", mode, "--seq", "8", "--batch", "2", "--steps", "1", "--warmup", "0",
+           "--variants", "hkernels-triton", "--converge", "3", "--converge-variant", "hkernels-triton",
+           "--dtype", "float32", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["env"]["dist"] == mode and data["env"]["world"] == 2
+    conv = data["converge"]
+    assert conv["match"] and conv["candidate"] == f"hkernels-triton ({mode} x2)"
+    ref, got = conv["curves"][conv["reference"]], conv["curves"][conv["candidate"]]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-3  # float32: the same math, reordered
