@@ -59,6 +59,9 @@ class _Layer:
 
 _SCOPE: contextvars.ContextVar[tuple[_Layer, ...]] = contextvars.ContextVar("hkernels_backend_scope", default=())
 _OPS: dict[str, Callable[..., Any]] = {}
+# Per op, where the public function reshapes its input before the kernel call: the tensors the call is routed by
+# (selected_backend must bucket what the kernel will see, e.g. softmax over dim 0 runs on a moved view).
+_ROUTED: dict[str, Callable[[dict[str, Any]], tuple[torch.Tensor, ...]]] = {}
 _lock = threading.Lock()
 _import_lock = threading.RLock()
 _module_cache: dict[tuple[str, str], ModuleType | str] = {}
@@ -66,9 +69,14 @@ _helion_failures: dict[tuple[Any, ...], str] = {}
 _warned: set[tuple[str, str]] = set()
 
 
-def register_op(name: str, public_fn: Callable[..., Any]) -> None:
-    """Make ``name`` known to the dispatcher; ``public_fn`` is the user-facing function (for its signature)."""
+def register_op(
+    name: str, public_fn: Callable[..., Any], routed: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]] | None = None
+) -> None:
+    """Make ``name`` known to the dispatcher; ``public_fn`` is the user-facing function (for its signature);
+    ``routed`` maps its bound arguments to the tensors its kernel call is routed by, where they differ."""
     _OPS[name] = public_fn
+    if routed is not None:
+        _ROUTED[name] = routed
 
 
 def ops() -> list[str]:
@@ -305,10 +313,13 @@ def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) ->
 
 
 def run(op: str, fn: str, request: str, *args: Any) -> Any:
-    """Run ``<fn>`` (e.g. ``rms_norm_fwd``) of the backend chosen for ``op``; fall back from Helion under auto."""
+    """Run ``<fn>`` (e.g. ``rms_norm_fwd``) of the backend chosen for ``op``; under auto, fall back from Helion to
+    Triton, or from Triton (where the measured table chose it) to Helion."""
     request = request or requested(op)
     tensors = _tensors(args)
     backend, module = _route(op, fn, request, tensors)
+    if backend == "triton" and request == "auto":
+        return _run_measured_triton(op, fn, module, tensors, args)
     if backend != "helion":
         return getattr(module, fn)(*args)
     try:
@@ -334,6 +345,34 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
                 stacklevel=2,
             )
         return getattr(_module("triton", op), fn)(*args)
+
+
+def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[torch.Tensor, ...],
+                         args: tuple[Any, ...]) -> Any:
+    """Under auto, Triton runs where the measured table chose it (Helion is there too, else auto would not pick
+    Triton from a table): if Triton cannot run the input, Helion does, with one warning per (op, reason); if
+    Helion fails too, Triton's error is raised."""
+    try:
+        return getattr(module, fn)(*args)
+    except Exception as e:
+        if unavailable_reason(op, "helion", tensors) is not None:
+            raise
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        try:
+            result = getattr(_module("helion", op), fn)(*args)
+        except Exception:
+            raise e from None
+        with _lock:
+            first = (op, reason) not in _warned
+            _warned.add((op, reason))
+        if first:
+            warnings.warn(
+                f"hkernels.{op}: the Triton kernel (measured faster here) could not run this input ({reason}); "
+                "using the Helion kernel instead",
+                HKernelsFallbackWarning,
+                stacklevel=3,
+            )
+        return result
 
 
 def backends(op: str) -> list[str]:
@@ -363,5 +402,7 @@ def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
     name, measured faster on this arch for this shape bucket, a Helion failure, CPU tensors)."""
     _check_op(op)
     bound = inspect.signature(_OPS[op]).bind(*args, **kwargs)
-    tensors = _tensors(tuple(bound.arguments.values()))
+    bound.apply_defaults()
+    routed = _ROUTED.get(op)
+    tensors = routed(bound.arguments) if routed is not None else _tensors(tuple(bound.arguments.values()))
     return Selection(*select(op, requested(op), tensors))

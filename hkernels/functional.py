@@ -1140,3 +1140,13 @@ for _name, _fn in (
     ("attention", attention),
 ):
     dispatch.register_op(_name, _fn)
+
+
+def _softmax_routed(args: dict[str, Any]) -> tuple[Tensor, ...]:
+    x, dim = args["x"], args["dim"]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
+        return (x,) if isinstance(x, torch.Tensor) else ()
+    return (x.movedim(dim, -1),)
+
+
+dispatch.register_op("softmax", softmax, routed=_softmax_routed)

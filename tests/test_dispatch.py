@@ -293,6 +293,44 @@ def test_auto_follows_the_measured_table(user_auto_table, monkeypatch, device):
         assert hkernels.selected_backend("softmax", small) == "helion"
 
 
+def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table, monkeypatch, device):
+    """softmax over dim 0 runs on a moved view whose last dim is x.shape[0]: selected_backend and the call both
+    bucket by that length, not by x's last dim."""
+    user_auto_table('{"softmax": [{"max_rows": null, "max_n": 8, "backend": "triton", "measured": "n<=8: t"},'
+                    ' {"max_rows": null, "max_n": null, "backend": "helion", "measured": "wide: h"}]}')
+    x = torch.randn(4, 64, device=device)
+    assert hkernels.selected_backend("softmax", x) == "helion"
+    assert hkernels.selected_backend("softmax", x, dim=0) == "triton"
+    assert hkernels.selected_backend("softmax", x, 0) == "triton"
+    calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
+    torch.testing.assert_close(hkernels.softmax(x, dim=0), reference.softmax(x.T).T)
+    assert calls == [1]
+
+
+def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
+    """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails
+    too, Triton's error is what the caller sees."""
+    user_auto_table('{"rms_norm": [{"max_rows": null, "max_n": null, "backend": "triton", "measured": "t"}]}')
+    module = importlib.import_module("triton_fallback.rms_norm")
+
+    def broken(*args):
+        raise RuntimeError("simulated Triton compile failure")
+
+    monkeypatch.setattr(module, "rms_norm_fwd", broken)
+    x = torch.randn(4, 32, device=device)
+    assert hkernels.selected_backend("rms_norm", x) == "triton"
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="Triton kernel.*simulated.*Helion"):
+        got = hkernels.rms_norm(x)
+    torch.testing.assert_close(got, reference.rms_norm(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per (op, reason)
+        hkernels.rms_norm(x)
+    helion = importlib.import_module("hkernels.ops.rms_norm")
+    monkeypatch.setattr(helion, "rms_norm_fwd", lambda *a: (_ for _ in ()).throw(ValueError("helion too")))
+    with pytest.raises(RuntimeError, match="simulated Triton compile failure"):
+        hkernels.rms_norm(x)
+
+
 def test_broken_user_table_is_ignored_with_a_warning(user_auto_table, device):
     user_auto_table("{not json")
     with pytest.warns(RuntimeWarning, match="ignoring .*auto"):
