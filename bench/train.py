@@ -4,6 +4,8 @@
 - ``hkernels`` / ``hkernels-helion`` / ``hkernels-triton``: the same model after ``hkernels.patch`` (norms, SwiGLU,
   rope, the fused linear loss), on the ``auto`` backend or one backend;
 - ``torch_compile``: the plain model under ``torch.compile``;
+- ``hkernels+compile``: the patched model under ``torch.compile`` (hkernels' ops are custom ops it traces through,
+  fusing what lies between them);
 - ``liger``: Liger-Kernel's kernels in the same places (its RMSNorm, SiLU-mul, rope and fused linear loss), when it
   is importable (a peer, never a dependency).
 
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-VARIANTS = ("eager", "hkernels", "hkernels-helion", "hkernels-triton", "torch_compile", "liger")
+VARIANTS = ("eager", "hkernels", "hkernels-helion", "hkernels-triton", "torch_compile", "hkernels+compile", "liger")
 # Loss curves "match" when the 10-step moving averages differ by at most this fraction of eager's (plus a floor):
 # bf16 training is not bitwise reproducible across kernels, so single steps wander; trends must not.
 CURVE_RTOL, CURVE_ATOL, SMOOTH = 0.02, 0.02, 10
@@ -145,6 +147,12 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
             hkernels.unpatch(model)
     elif name == "torch_compile":
         yield torch.compile(wrap(model))
+    elif name == "hkernels+compile":
+        hkernels.patch(model)
+        try:
+            yield torch.compile(wrap(model))
+        finally:
+            hkernels.unpatch(model)
     elif name == "liger":
         undo = _liger_patch(model)
         try:
