@@ -66,6 +66,7 @@ _lock = threading.Lock()
 _import_lock = threading.RLock()
 _module_cache: dict[tuple[str, str], ModuleType | str] = {}
 _helion_failures: dict[tuple[Any, ...], str] = {}
+_triton_failures: dict[tuple[Any, ...], str] = {}  # under auto where the table chose Triton (see run)
 _warned: set[tuple[str, str]] = set()
 
 
@@ -212,8 +213,11 @@ def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...])
 
 
 def _signature(fn: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    # Helion compiles per dtype and last-dim size (row counts are dynamic), so that is what a failure is keyed by.
-    return (fn, tuple((t.dtype, t.shape[-1] if t.dim() else 1) for t in tensors))
+    # Helion compiles per dtype and last-dim size (row counts are dynamic), so that is what a failure is keyed by;
+    # a 1-D tensor's length is a row count (targets, per-row scales, stats): keyed by its rank only, or every new
+    # token count would retry a failing compile.
+    return (fn, tuple((t.dtype, t.dim(), t.shape[-1] if t.dim() > 1 or (i == 0 and t.dim()) else 0)
+                      for i, t in enumerate(tensors)))
 
 
 def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -324,6 +328,8 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
         return getattr(module, fn)(*args)
     try:
         return getattr(module, fn)(*args)
+    except torch.OutOfMemoryError:
+        raise  # not a property of the input's signature: no fallback remembered for it
     except Exception as e:
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         if request != "auto":
@@ -352,8 +358,13 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
     """Under auto, Triton runs where the measured table chose it (Helion is there too, else auto would not pick
     Triton from a table): if Triton cannot run the input, Helion does, with one warning per (op, reason); if
     Helion fails too, Triton's error is raised."""
+    signature = _signature(fn, tensors)
+    if signature in _triton_failures:  # failed before for this signature: straight to Helion
+        return getattr(_module("helion", op), fn)(*args)
     try:
         return getattr(module, fn)(*args)
+    except torch.OutOfMemoryError:
+        raise  # not a property of the input's signature: nothing to remember or retry
     except Exception as e:
         if unavailable_reason(op, "helion", tensors) is not None:
             raise
@@ -363,6 +374,7 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
         except Exception:
             raise e from None
         with _lock:
+            _triton_failures[signature] = reason
             first = (op, reason) not in _warned
             _warned.add((op, reason))
         if first:

@@ -312,8 +312,10 @@ def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, 
     too, Triton's error is what the caller sees."""
     user_auto_table('{"rms_norm": [{"max_rows": null, "max_n": null, "backend": "triton", "measured": "t"}]}')
     module = importlib.import_module("triton_fallback.rms_norm")
+    tried = []
 
     def broken(*args):
+        tried.append(1)
         raise RuntimeError("simulated Triton compile failure")
 
     monkeypatch.setattr(module, "rms_norm_fwd", broken)
@@ -324,7 +326,9 @@ def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, 
     torch.testing.assert_close(got, reference.rms_norm(x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per (op, reason)
-        hkernels.rms_norm(x)
+        hkernels.rms_norm(torch.randn(9, 32, device=device))  # another row count: the failure is remembered
+    assert tried == [1]  # Triton was not retried
+    dispatch._triton_failures.clear()
     helion = importlib.import_module("hkernels.ops.rms_norm")
     monkeypatch.setattr(helion, "rms_norm_fwd", lambda *a: (_ for _ in ()).throw(ValueError("helion too")))
     with pytest.raises(RuntimeError, match="simulated Triton compile failure"):
