@@ -57,6 +57,9 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+apply_rotary_pos_emb.hkernels_rope = "rotate_half"  # hkernels.patch may replace it (the full rotate_half rotation)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float) -> None:
         super().__init__()

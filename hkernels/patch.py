@@ -2,15 +2,16 @@
 puts everything back.
 
 What is replaced (``ops`` picks; default all):
-- ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face-style RMSNorm classes (a class whose name ends in
-  "RMSNorm" with a ``weight`` of the last dim and ``variance_epsilon`` or ``eps``: LlamaRMSNorm, MistralRMSNorm,
-  Qwen2RMSNorm) -> :class:`hkernels.nn.RMSNorm` holding the same Parameter objects;
+- ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face's LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm and
+  Qwen3RMSNorm (by name: look-alikes that scale by 1 + weight are left alone) -> :class:`hkernels.nn.RMSNorm`
+  holding the same Parameter objects;
 - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
 - ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
   :func:`hkernels.geglu`;
 - ``rope``: the module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of the modules that define the model's
-  classes (Hugging Face's convention; ``bench.model`` follows it) -> :func:`hkernels.rope`;
+  classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3
+  modules; or a function marked ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`;
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,17 +65,22 @@ def _name(o: Any) -> str:
     return f"{o.__module__}.{o.__qualname__}"
 
 
+# Hugging Face RMSNorm classes known to compute x / rms(x) * weight (normalised in float32, cast, then scaled).
+# By name, not by shape: several look the same and scale by (1 + weight) (Gemma, Qwen3-Next, ...), where a
+# replacement would be silently wrong.
+HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# Hugging Face modeling modules whose apply_rotary_pos_emb is the full rotate_half rotation (not interleaved, not
+# partial): replaced by hkernels.rope. Other modules opt in by marking the function hkernels_rope = "rotate_half".
+HF_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3"))
+
+
 def _hf_rms_norm(m: nn.Module) -> float | None:
-    """eps of a Hugging Face-style RMSNorm (weight over the last dim), else None."""
-    if not type(m).__name__.endswith("RMSNorm") or isinstance(m, (nn.RMSNorm, hnn.RMSNorm)):
+    """eps of a known Hugging Face RMSNorm (weight over the last dim), else None."""
+    if type(m).__name__ not in HF_RMS_NORMS or not type(m).__module__.startswith("transformers."):
         return None
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(eps, float):
-        return None
-    # Gemma's RMSNorm scales by (1 + weight): not the same function; its class says so by an offset attribute
-    # or name. Leave those alone rather than be silently wrong.
-    if "Gemma" in type(m).__name__:
         return None
     return eps
 
@@ -199,22 +204,27 @@ def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *arg
 
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
     kwargs.pop("logits_to_keep", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "use_return_dict", getattr(self.config, "return_dict", True))
     outputs = self.model(input_ids=input_ids, **kwargs)
-    hidden = outputs.last_hidden_state
+    hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
     if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = self.lm_head
     loss = functional.fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device), head.bias,
-        reduction="mean" if num_items is None else "sum",
+        ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
     )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = CausalLMOutputWithPast.__dataclass_fields__
     rest = {k: getattr(outputs, k, None) for k in ("cache", "past_key_values", "hidden_states", "attentions")
-            if k in fields}
-    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+            if k in fields and not isinstance(outputs, tuple)}
+    out = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    return out if return_dict else out.to_tuple()
 
 
 def _loss_forward(m: nn.Module) -> Any:
@@ -227,6 +237,18 @@ def _loss_forward(m: nn.Module) -> Any:
     if type(m).__name__ in HF_CAUSAL_LMS and type(m).__module__.startswith("transformers.") and hasattr(m, "model"):
         return _hf_causal_lm_forward
     return None
+
+
+def _bind(m: nn.Module, fn: Any) -> Any:
+    """``fn`` bound to ``m`` as an instance ``forward`` with the signature of ``m``'s own (Hugging Face's Trainer
+    reads it to decide which input columns to keep)."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return fn(m, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(type(m).forward.__get__(m))  # type: ignore[attr-defined]
+    forward.__qualname__ = fn.__qualname__
+    forward.__module__ = fn.__module__
+    return forward
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -262,18 +284,19 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
     for path, m in model.named_modules():
         gate = _mlp_gate(m)
         if gate is not None and gate in wanted and "forward" not in m.__dict__:
-            m.forward = types.MethodType(_swiglu_forward if gate == "swiglu" else _geglu_forward, m)
+            m.forward = _bind(m, _swiglu_forward if gate == "swiglu" else _geglu_forward)
             done.append(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
         loss_forward = _loss_forward(m) if "fused_linear_cross_entropy" in wanted else None
         if loss_forward is not None:
-            m.forward = types.MethodType(loss_forward, m)
+            m.forward = _bind(m, loss_forward)
             done.append(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
                                     m.forward))
     if "rope" in wanted:
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
             mod = sys.modules.get(mod_name)
             fn = getattr(mod, "apply_rotary_pos_emb", None)
-            ours = _rope_for(fn) if callable(fn) and not getattr(fn, "hkernels", False) else None
+            known = mod_name in HF_ROPE_MODULES or getattr(fn, "hkernels_rope", None) == "rotate_half"
+            ours = _rope_for(fn) if known and callable(fn) and not getattr(fn, "hkernels", False) else None
             if ours is not None:
                 mod.apply_rotary_pos_emb = ours
                 done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn, ours))

@@ -194,6 +194,22 @@ def test_patch_layer_norm_gelu_mlp_and_cross_entropy_modules(device):
     assert type(net.norm) is nn.LayerNorm and type(net.loss) is nn.CrossEntropyLoss
 
 
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # not marked: may be interleaved
+    return q, k
+
+
+class _OwnRope(nn.Module):
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def test_unmarked_rope_functions_are_left_alone():
+    """Only known modules' (and marked) apply_rotary_pos_emb are replaced: a look-alike may rotate interleaved
+    pairs or part of the head, where rotate_half would be silently wrong."""
+    assert [r for r in hkernels.patch(_OwnRope(), ops="rope")] == []
+    assert apply_rotary_pos_emb(1, 2, 3, 4) == (1, 2)
+
+
 def test_gemma_style_rms_norm_is_left_alone(device):
     class GemmaRMSNorm(nn.Module):  # scales by (1 + weight): a different function
         def __init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -95,3 +96,41 @@ def test_hf_state_dict_loads_both_ways(device):
         assert torch.equal(fresh.model.norm.weight, plain.model.norm.weight)
     finally:
         unpatch(model)
+
+
+def test_hf_return_dict_false_and_signature_kept(device):
+    """return_dict=False gives a tuple with the loss first (no crash on the base model's tuple); the patched
+    forward keeps the model's signature (HF's Trainer keeps only the input columns it names)."""
+    model, ids = _tiny("llama", device)
+    plain = copy.deepcopy(model)
+    params = list(inspect.signature(model.forward).parameters)
+    hkernels.patch(model)
+    try:
+        assert list(inspect.signature(model.forward).parameters) == params
+        assert "attention_mask" in params
+        with torch.no_grad():
+            got = model(input_ids=ids, labels=ids, return_dict=False)
+            want = plain(input_ids=ids, labels=ids, return_dict=False)
+        assert isinstance(got, tuple)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    finally:
+        unpatch(model)
+
+
+def test_hf_look_alike_norms_that_scale_by_one_plus_weight_are_left_alone(device):
+    """Classes shaped like Llama's RMSNorm but computing x / rms * (1 + weight): replacing them would be silently
+    wrong, so only the known classes are patched."""
+    found = []
+    for mod_name, cls_name in (("qwen3_next", "Qwen3NextRMSNorm"), ("gemma", "GemmaRMSNorm"),
+                               ("gemma2", "Gemma2RMSNorm")):
+        try:
+            mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+        except ImportError:
+            continue
+        cls = getattr(mod, cls_name, None)
+        if cls is not None:
+            found.append(cls(16))
+    if not found:
+        pytest.skip("none of the look-alike classes in this transformers")
+    net = torch.nn.Sequential(*found)
+    assert hkernels.patch(net, ops="rms_norm") == []
