@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -203,15 +204,18 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     losses: list[float] = []
     on_gpu = device.type == "cuda"
     result: dict[str, Any] = {"variant": name}
+    # Every batch made before the clock starts (the chain is walked token by token on the host: tens of ms a batch)
+    batches = [next(data)[rows] for _ in range(warmup + steps)]
+    timed = 0
     with _variant(name, model, _wrapper(dist_mode, device)) as fwd:
         opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
-        for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        for i, ids in enumerate(batches):
             if i == warmup:
                 if on_gpu:
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-            ids = next(data)[rows]
             loss = fwd(ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -221,6 +225,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                 torch.distributed.all_reduce(loss)
                 loss /= world
             losses.append(loss.item())  # a sync per step: the same for every variant
+            timed += i >= warmup
             if (i + 1) % max(1, (warmup + steps) // 10) == 0 or i + 1 == warmup + steps:
                 say(f"  {name}: step {i + 1}/{warmup + steps}, loss {losses[-1]:.4f}")
             if not math.isfinite(losses[-1]):
@@ -228,11 +233,11 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                 break
         if on_gpu:
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t0 if steps else float("nan")
-    tokens = args.batch * args.seq * steps * (world if dist_mode != "none" else 1)
+        elapsed = time.perf_counter() - t0
+    tokens = args.batch * args.seq * timed * (world if dist_mode != "none" else 1)
     result.update(
-        tokens_per_s=tokens / elapsed if steps and elapsed > 0 else None,
-        step_ms=elapsed / steps * 1e3 if steps else None,
+        tokens_per_s=tokens / elapsed if timed and elapsed > 0 else None,
+        step_ms=elapsed / timed * 1e3 if timed else None,
         peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None,
         last_loss=losses[-1] if losses else None,
         losses=losses,
@@ -250,10 +255,15 @@ def _smooth(xs: list[float], k: int = SMOOTH) -> list[float]:
 def compare_curves(eager: list[float], ours: list[float]) -> dict[str, Any]:
     """Worst deviation of ours from the reference (eager's, or one process's) loss curve (moving averages) against
     the tolerance."""
-    a, b = _smooth(eager), _smooth(ours)
+    n = min(len(eager), len(ours))  # a run that stopped early (a non-finite loss) is compared where both ran
+    if n == 0:
+        return {"match": False, "worst_step": 0, "reference_loss": float("nan"), "candidate_loss": float("nan"),
+                "tolerance": "no steps to compare"}
+    a, b = _smooth(eager[:n]), _smooth(ours[:n])
     worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i]) / (CURVE_RTOL * abs(a[i]) + CURVE_ATOL))
     excess = abs(a[worst] - b[worst]) / (CURVE_RTOL * abs(a[worst]) + CURVE_ATOL)
-    return {"match": excess <= 1.0, "worst_step": worst + 1, "reference_loss": a[worst], "candidate_loss": b[worst],
+    return {"match": excess <= 1.0 and len(eager) == len(ours), "worst_step": worst + 1,
+            "reference_loss": a[worst], "candidate_loss": b[worst],
             "tolerance": f"|smoothed difference| <= {CURVE_RTOL} x reference + {CURVE_ATOL} ({SMOOTH}-step moving "
                          "average)"}
 
@@ -291,7 +301,9 @@ def _init_dist(mode: str, say: Callable[[str], None]) -> tuple[torch.device, int
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # A long timeout: with --converge, the other processes wait while rank 0 trains the one-process reference.
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=datetime.timedelta(hours=2))
     return device, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -346,20 +358,28 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
     converge = None
     if args.converge:
         ours = args.converge_variant
-        if args.dist == "none":  # hkernels against eager, one process
-            say(f"convergence: eager and {ours}, {args.converge} steps each")
-            names = ("eager", ours)
-            curves = {n: train(n, args, device, args.converge, 0, say)["losses"] for n in names}
-        else:  # the distributed run against one process training on the same global batches
-            say(f"convergence: {ours} {args.dist} x{world} and one process with the global batch, {args.converge} "
-                f"steps each")
-            names = (f"{ours} (one process, batch {args.batch * world})", f"{ours} ({args.dist} x{world})")
-            curves = {names[1]: train(ours, args, device, args.converge, 0, say, args.dist)["losses"]}
-            if rank == 0:
-                one = argparse.Namespace(**{**vars(args), "batch": args.batch * world})
-                curves = {names[0]: train(ours, one, device, args.converge, 0, say)["losses"], **curves}
+        curves: dict[str, list[float]] = {}
+        try:
+            if args.dist == "none":  # hkernels against eager, one process
+                say(f"convergence: eager and {ours}, {args.converge} steps each")
+                names = ("eager", ours)
+                curves = {n: train(n, args, device, args.converge, 0, say)["losses"] for n in names}
+            else:  # the distributed run against one process training on the same global batches
+                say(f"convergence: {ours} {args.dist} x{world} and one process with the global batch, "
+                    f"{args.converge} steps each")
+                names = (f"{ours} (one process, batch {args.batch * world})", f"{ours} ({args.dist} x{world})")
+                curves = {names[1]: train(ours, args, device, args.converge, 0, say, args.dist)["losses"]}
+                if rank == 0:
+                    one = argparse.Namespace(**{**vars(args), "batch": args.batch * world})
+                    curves = {names[0]: train(ours, one, device, args.converge, 0, say)["losses"], **curves}
+        except Exception as e:  # keep the throughput rows: results.json is still written
+            say(f"  convergence failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+            converge = {"match": False, "error": f"{type(e).__name__}: {e}"[:500], "steps": args.converge,
+                        "reference": "?", "candidate": ours, "worst_step": 0, "reference_loss": float("nan"),
+                        "candidate_loss": float("nan"), "tolerance": "", "curves": curves}
+        if args.dist != "none":
             torch.distributed.barrier()
-        if rank == 0:
+        if rank == 0 and converge is None:
             converge = compare_curves(curves[names[0]], curves[names[1]])
             converge.update(reference=names[0], candidate=names[1], steps=args.converge, curves=curves)
     if rank:
@@ -379,8 +399,8 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
           f"{'last loss':>9s}" + (f"   ({args.dist} over {world} processes; tokens/s of all, memory of one)"
                                    if args.dist != "none" else ""))
     for r in rows:
-        if r.get("error") and not r.get("tokens_per_s"):
-            print(f"{r['variant']:16s} failed: {r['error'][:100]}")
+        if not r.get("tokens_per_s"):
+            print(f"{r['variant']:16s} {'failed: ' + r['error'][:100] if r.get('error') else 'no timed steps'}")
             continue
         tps, peak = r["tokens_per_s"], r["peak_mib"]
         speed = f"{tps / eager['tokens_per_s']:.2f}" if eager else "-"
