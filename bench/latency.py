@@ -1,0 +1,170 @@
+"""``python -m bench.latency``: per-call latency at decode shapes, timed in interleaved rounds.
+
+The H200 machines' hosts drift by up to 2× within a run, so latencies measured one backend after another (the
+main bench's ``--latency``) rank nothing finer than that. Here every backend of one op and shape is timed in each
+round, in a fresh random order, as a loop of calls back to back between two syncs (what a caller waits for:
+host work or GPU time, whichever is longer); ratios are taken within a round, then the median over rounds, so a
+slow stretch of the host moves numerator and denominator together. Kernel backends run inside one
+``use_backend`` scope per loop (as under ``HKERNELS_BACKEND``), not one per call.
+
+Reported per op and shape: the median µs per call of each backend, and the paired ratios that issue 6's targets
+name — each backend against torch.compile and against eager, and ``auto`` against the faster of helion and triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.ops import OPS, PRESETS, make_inputs, preset_shapes, quick_shapes
+
+BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "liger")
+KERNEL_BACKENDS = ("auto", "helion", "triton")
+
+
+def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str, Any]) -> Callable[[int], None]:
+    """A function running ``n`` forward calls of ``backend`` back to back."""
+    import hkernels
+
+    if backend in KERNEL_BACKENDS:
+        def run(n: int) -> None:
+            with hkernels.use_backend(backend):
+                for _ in range(n):
+                    op.kernel(*inputs)
+        return run
+    if backend == "torch":
+        fn = op.eager
+    elif backend == "torch_compile":
+        if op.name not in compiled:
+            compiled[op.name] = torch.compile(op.eager, dynamic=False)
+        fn = compiled[op.name]
+    else:
+        fn = op.peers[backend]
+
+    def run_fn(n: int) -> None:
+        for _ in range(n):
+            fn(*inputs)
+    return run_fn
+
+
+def measure(loops: dict[str, Callable[[int], None]], device: torch.device, rounds: int, calls: int,
+            seed: int = 0) -> dict[str, list[float]]:
+    """µs per call of each loop, one entry per round; every round times every loop once, in a random order."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {b: [] for b in loops}
+    for run in loops.values():  # warm-up: compilation, caches, allocator
+        run(max(3, calls // 10))
+    sync(device)
+    for _ in range(rounds):
+        order = list(loops)
+        rng.shuffle(order)
+        for b in order:
+            sync(device)
+            t0 = time.perf_counter()
+            loops[b](calls)
+            sync(device)
+            times[b].append((time.perf_counter() - t0) / calls * 1e6)
+    return times
+
+
+def paired(times: dict[str, list[float]], a: str, b: str | tuple[str, ...]) -> float | None:
+    """Median over rounds of a's time over b's in the same round (b: several names = their per-round minimum)."""
+    names = (b,) if isinstance(b, str) else b
+    if a not in times or not all(n in times for n in names):
+        return None
+    ratios = [times[a][i] / min(times[n][i] for n in names) for i in range(len(times[a]))]
+    return statistics.median(ratios)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="rms_norm,add_rms_norm,layer_norm,softmax,swiglu,geglu,rope")
+    p.add_argument("--shapes", default="decode", help="presets (decode, ...) and/or MxN, comma-separated")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=200, help="calls per loop")
+    p.add_argument("--quick", action="store_true", help="two small shapes per op (the only mode on a CPU)")
+    p.add_argument("--out", type=Path, default=None, help="where to write latency.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not (args.quick and os.environ.get("HKERNELS_INTERPRET") == "1"):
+        print("bench.latency: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --quick)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = getattr(torch, args.dtype)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        print(f"bench.latency: unknown op(s) {unknown}; valid: {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results: list[dict[str, Any]] = []
+    compiled: dict[str, Any] = {}
+    for op_name in ops:
+        op = OPS[op_name]
+        if args.quick:
+            shapes = quick_shapes(op, device)
+        else:
+            shapes = []
+            for item in args.shapes.split(","):
+                if item in PRESETS:
+                    shapes += preset_shapes(item, op)
+                elif item:
+                    m, n = (int(v) for v in item.lower().split("x")[:2])
+                    shapes.append((m, n, 0))
+        for shape in shapes:
+            inputs = make_inputs(op, shape, dtype, device)
+            backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch")
+                        or (b == "torch_compile" and op.compile) or b in op.peers]
+            with torch.no_grad():
+                loops = {b: _loop(op, b, inputs, compiled) for b in backends}
+                times = measure(loops, device, args.rounds if on_gpu else 2, args.calls if on_gpu else 2)
+            row = {
+                "op": op_name, "shape": "x".join(str(s) for s in shape if s), "dtype": args.dtype,
+                "us_per_call": {b: statistics.median(t) for b, t in times.items()},
+                "vs_torch_compile": {b: paired(times, b, "torch_compile") for b in times if b != "torch_compile"},
+                "vs_eager": {b: paired(times, b, "torch") for b in times if b != "torch"},
+                "auto_vs_best_kernel": paired(times, "auto", ("helion", "triton")),
+                "rounds": {b: [round(x, 2) for x in t] for b, t in times.items()},
+            }
+            results.append(row)
+            us = row["us_per_call"]
+            print(f"{op_name:14s} {row['shape']:>9s} " + " ".join(f"{b} {us[b]:.1f}" for b in backends)
+                  + (f" | auto/best {row['auto_vs_best_kernel']:.3f}" if row["auto_vs_best_kernel"] else ""),
+                  file=sys.stderr, flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
+               "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT")}
+        (args.out / "latency.json").write_text(json.dumps({"env": env, "rows": results}, indent=1))
+    header = f"{'op':14s} {'shape':>9s} " + " ".join(f"{b:>13s}" for b in wanted) + "   best hk / compile  auto/best"
+    print(header)
+    for row in results:
+        us = row["us_per_call"]
+        cells = " ".join(f"{us[b]:13.1f}" if b in us else f"{'-':>13s}" for b in wanted)
+        vs = [row["vs_torch_compile"].get(b) for b in ("helion", "triton")]
+        best = min((v for v in vs if v is not None), default=None)
+        auto = row["auto_vs_best_kernel"]
+        print(f"{row['op']:14s} {row['shape']:>9s} {cells}   {f'{best:.2f}' if best else '-':>17s}  "
+              f"{f'{auto:.3f}' if auto else '-':>9s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

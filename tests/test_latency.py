@@ -1,0 +1,36 @@
+"""bench.latency: paired ratios within rounds, and the command end to end (interpret mode on a CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import latency
+
+
+def test_paired_ratio_cancels_a_drifting_host():
+    # The host slows 3x half-way: per-round ratios stay 1.1, medians of the raw times would not show it.
+    a = [11.0, 11.0, 33.0, 33.0, 33.0]
+    b = [10.0, 10.0, 30.0, 30.0, 30.0]
+    c = [12.0, 12.0, 36.0, 36.0, 36.0]
+    times = {"auto": a, "helion": b, "triton": c}
+    assert abs(latency.paired(times, "auto", "helion") - 1.1) < 1e-9
+    assert abs(latency.paired(times, "auto", ("helion", "triton")) - 1.1) < 1e-9  # against the faster per round
+    assert latency.paired(times, "auto", "torch_compile") is None
+
+
+def test_measure_times_every_loop_every_round():
+    calls: list[str] = []
+    loops = {name: (lambda n, name=name: calls.extend([name] * n)) for name in ("x", "y", "z")}
+    times = latency.measure(loops, torch.device("cpu"), rounds=4, calls=5)
+    assert all(len(t) == 4 for t in times.values())
+    assert calls.count("x") == calls.count("y") == calls.count("z") == 3 + 4 * 5  # warm-up, then the rounds
+
+
+def test_latency_command_quick(tmp_path, capsys):
+    assert latency.main(["--quick", "--ops", "rms_norm", "--backends", "triton,torch", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "latency.json").read_text())["rows"]
+    assert rows and all(set(r["us_per_call"]) == {"triton", "torch"} for r in rows)
+    assert rows[0]["vs_eager"]["triton"] > 0
+    assert "rms_norm" in capsys.readouterr().out
