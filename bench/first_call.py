@@ -2,8 +2,9 @@
 
 For each op × dtype × backend a new Python process, with empty private cache folders (Triton, TorchInductor,
 Helion, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on the host clock
-with the GPU synchronized: the first forward call, the first backward call, then a second (warm) forward and
-backward. That is what a user pays on a machine that has never run hkernels. Rows whose first forward or backward
+with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds to import),
+the first forward call (tracing, code generation, compiling), the first backward call, then a second (warm)
+forward and backward. That is what a user pays on a machine that has never run hkernels. Rows whose first forward or backward
 takes over ``--slow`` seconds (3 by default) are flagged. A process that fails or outlives ``--timeout`` gives a
 row with its error. Writes results.json and table.txt in ``--out`` (default bench/results/<gpu>/first_call).
 """
@@ -47,7 +48,8 @@ class Result:
     backend: str
     shape: str
     import_s: float | None = None  # import hkernels (after torch)
-    fwd_s: float | None = None  # the first forward call
+    backend_import_s: float | None = None  # importing the backend's modules for the op (helion: Helion itself)
+    fwd_s: float | None = None  # the first forward call, after those imports: tracing, code generation, compiling
     bwd_s: float | None = None  # the first backward call
     warm_fwd_ms: float | None = None  # the second forward call
     warm_bwd_ms: float | None = None
@@ -99,6 +101,13 @@ def _child(spec: dict[str, Any], out: dict[str, Any]) -> None:
         y = op.kernel(*ins)
         return y if isinstance(y, tuple) else (y,)
 
+    # The backend's modules, imported on their own clock (they import lazily on the first call otherwise): Helion
+    # alone takes seconds to import (its autotuner pulls in scikit-learn and TorchInductor), which is not compiling.
+    from hkernels import dispatch
+
+    backends = ("helion", "triton") if spec["backend"] == "auto" else (spec["backend"],)
+    _, out["backend_import_s"] = clock(
+        lambda: [dispatch._module(b, spec["op"]) for b in backends if b in ("helion", "triton")])
     with hkernels.use_backend(spec["backend"]):
         ys, out["fwd_s"] = clock(forward)
         ups = [torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y) for y in ys]  # a loss gets 1
@@ -167,7 +176,7 @@ def _f(v: float | None, spec: str) -> str:
 
 def table(rows: list[Result], slow: float) -> str:
     head = (
-        f"{'op':<27} {'shape':<15} {'dtype':<9} {'backend':<8} {'import s':>8} {'first fwd s':>11} "
+        f"{'op':<27} {'shape':<15} {'dtype':<9} {'backend':<8} {'import s':>8} {'backend s':>9} {'first fwd s':>11} "
         f"{'first bwd s':>11} {'warm fwd ms':>11} {'warm bwd ms':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -177,7 +186,8 @@ def table(rows: list[Result], slow: float) -> str:
             lines.append(f"{what} failed: {r.error[:90]}")
             continue
         lines.append(
-            f"{what} {_f(r.import_s, '8.1f')} {_f(r.fwd_s, '11.2f')} {_f(r.bwd_s, '11.2f')} "
+            f"{what} {_f(r.import_s, '8.1f')} {_f(r.backend_import_s, '9.2f')} {_f(r.fwd_s, '11.2f')} "
+            f"{_f(r.bwd_s, '11.2f')} "
             f"{_f(r.warm_fwd_ms, '11.3f')} {_f(r.warm_bwd_ms, '11.3f')}"
             + (f"  over {slow:g} s" if r.slowest() > slow else "")
             + (f"  failed: {r.error[:60]}" if r.error else "")
