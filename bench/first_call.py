@@ -4,9 +4,10 @@ For each op × dtype × backend a new Python process, with empty private cache f
 Helion, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on the host clock
 with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds to import),
 the first forward call (tracing, code generation, compiling), the first backward call, then a second (warm)
-forward and backward. That is what a user pays on a machine that has never run hkernels. Rows whose first forward or backward
-takes over ``--slow`` seconds (3 by default) are flagged. A process that fails or outlives ``--timeout`` gives a
-row with its error. Writes results.json and table.txt in ``--out`` (default bench/results/<gpu>/first_call).
+forward and backward. That is what a user pays on a machine that has never run hkernels. Rows whose first
+forward or backward takes over ``--slow`` seconds (3 by default) are flagged. A process that fails or outlives
+``--timeout`` gives a row with its error. Writes results.json and table.txt in ``--out`` (default
+bench/results/<gpu>/first_call).
 """
 
 from __future__ import annotations

@@ -60,6 +60,15 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
 apply_rotary_pos_emb.hkernels_rope = "rotate_half"  # hkernels.patch may replace it (the full rotate_half rotation)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal self-attention, q [B, Hq, S, D], k/v [B, Hk, S, D] (GQA) -> [B, Hq, S, D], by SDPA.
+    (hkernels.patch(ops=[..., "attention"]) may replace it.)"""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+causal_attention.hkernels_attention = "causal"
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float) -> None:
         super().__init__()
@@ -89,7 +98,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # looked up at call time: patchable
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        out = causal_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -60,6 +60,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--converge", type=int, default=0, help="also compare eager's and hkernels' loss over N steps")
     p.add_argument("--converge-variant", default="hkernels", help="the hkernels variant whose curve is compared")
+    p.add_argument("--patch-ops", default=None,
+                   help="what hkernels.patch replaces in the hkernels variants: its default set, 'all' (adds "
+                        "attention), or a comma-separated list")
     p.add_argument("--dist", default="none", choices=("none", "ddp", "fsdp2"),
                    help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard per decoder layer) over the "
                         "processes; --batch is per process")
@@ -131,7 +134,8 @@ def _liger_patch(model: nn.Module) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> Iterator[nn.Module]:
+def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module],
+             patch_ops: list[str] | None = None) -> Iterator[nn.Module]:
     """The module to train for variant ``name``: ``model`` patched (or compiled), then ``wrap``-ped (DDP, FSDP2:
     after patching, so that the wrapper sees the final modules); patches undone afterwards."""
     import hkernels
@@ -140,7 +144,7 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
         yield wrap(model)
     elif name.startswith("hkernels"):
         backend = name.partition("-")[2] or "auto"
-        hkernels.patch(model)
+        hkernels.patch(model, ops=patch_ops)
         try:
             with hkernels.use_backend(backend):
                 yield wrap(model)
@@ -149,7 +153,7 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
     elif name == "torch_compile":
         yield torch.compile(wrap(model))
     elif name == "hkernels+compile":
-        hkernels.patch(model)
+        hkernels.patch(model, ops=patch_ops)
         try:
             yield torch.compile(wrap(model))
         finally:
@@ -183,6 +187,14 @@ def _wrapper(mode: str, device: torch.device) -> Callable[[nn.Module], nn.Module
     return fsdp2
 
 
+def _patch_ops(args: argparse.Namespace) -> list[str] | None:
+    from hkernels.patch import OPS
+
+    if args.patch_ops in (None, ""):
+        return None
+    return list(OPS) if args.patch_ops == "all" else [o.strip() for o in args.patch_ops.split(",") if o.strip()]
+
+
 def _rank_world() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
@@ -207,7 +219,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     # Every batch made before the clock starts (the chain is walked token by token on the host: tens of ms a batch)
     batches = [next(data)[rows] for _ in range(warmup + steps)]
     timed = 0
-    with _variant(name, model, _wrapper(dist_mode, device)) as fwd:
+    with _variant(name, model, _wrapper(dist_mode, device), _patch_ops(args)) as fwd:
         opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
         t0 = time.perf_counter()
         for i, ids in enumerate(batches):

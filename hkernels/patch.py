@@ -19,6 +19,10 @@ What is replaced (``ops`` picks; default all):
   (their shifted loss, ``num_items_in_batch``, ``shift_labels``), and modules that declare how their loss is
   computed (``hkernels_loss_inputs(input_ids, labels) -> (hidden [..., H], shifted labels [...], output_cls)``,
   as ``bench.model`` does). Calls without labels run the model's own forward.
+- ``attention`` (opt-in: not in the default set): causal self-attention without a mask on
+  :func:`hkernels.attention` — Hugging Face's "sdpa" attention function (calls with a mask, dropout, a position
+  bias, soft-capping, decoding or an unsupported head dim keep SDPA), and module-level ``causal_attention(q, k, v)``
+  functions marked ``hkernels_attention = "causal"`` (``bench.model``'s).
 
 Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
 unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order.
@@ -39,7 +43,9 @@ from hkernels import nn as hnn
 
 Tensor = torch.Tensor
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "attention")
+# What ops=None patches: attention is opt-in until it is measured in whole models (ops=[..., "attention"]).
+DEFAULT_OPS = tuple(o for o in OPS if o != "attention")
 _RECORD = "_hkernels_patches"
 
 
@@ -189,6 +195,38 @@ def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels:
     return output(loss=loss, logits=None)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal self-attention (q [B, Hq, S, D], k/v [B, Hk, S, D]) on :func:`hkernels.attention`."""
+    return functional.attention(q, k, v, causal=True)
+
+
+causal_attention.hkernels = True  # type: ignore[attr-defined]
+
+_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _hf_sdpa(original: Any) -> Any:
+    """Hugging Face's sdpa attention function, on :func:`hkernels.attention` where the call is plain causal
+    self-attention; everything else to ``original``."""
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        plain = (attention_mask is None and dropout == 0.0 and causal and kwargs.get("position_bias") is None
+                 and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+                 and query.shape[2] == key.shape[2] > 1 and query.shape[-1] in _ATTENTION_HEAD_DIMS
+                 and key.shape[-1] == query.shape[-1] == value.shape[-1]
+                 and query.shape[1] % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype)
+        if not plain:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)
+        out = functional.attention(query, key, value, causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.hkernels = True  # type: ignore[attr-defined]
+    return attention
+
+
 # Hugging Face causal LMs whose loss is the plain shifted cross-entropy of ``lm_head(model(...))`` (no logit
 # soft-capping or scaling), patched by class name.
 HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -257,12 +295,12 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
 
 
 def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None) -> list[Replacement]:
-    """Replace, in place, the parts of ``model`` that hkernels has ops for (``ops``: names from
-    :data:`OPS`, a comma-separated string or a list; default all). Returns what was replaced in this call
-    (empty when nothing matched); patching twice replaces nothing the second time."""
+    """Replace, in place, the parts of ``model`` that hkernels has ops for (``ops``: names from :data:`OPS`, a
+    comma-separated string or a list; default :data:`DEFAULT_OPS`, all but attention). Returns what was replaced
+    in this call (empty when nothing matched); patching twice replaces nothing the second time."""
     if isinstance(ops, str):
         ops = [o.strip() for o in ops.split(",") if o.strip()]
-    wanted = set(OPS if ops is None else ops)
+    wanted = set(DEFAULT_OPS if ops is None else ops)
     unknown = wanted - set(OPS)
     if unknown:
         raise ValueError(f"hkernels.patch: unknown op(s) {sorted(unknown)}; valid: {', '.join(OPS)}")
@@ -300,6 +338,23 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
             if ours is not None:
                 mod.apply_rotary_pos_emb = ours
                 done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn, ours))
+    if "attention" in wanted:
+        for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+            mod = sys.modules.get(mod_name)
+            fn = getattr(mod, "causal_attention", None)
+            if callable(fn) and getattr(fn, "hkernels_attention", None) == "causal":
+                mod.causal_attention = causal_attention
+                done.append(Replacement(f"{mod_name}.causal_attention", "attention", "function", fn,
+                                        causal_attention))
+        if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+            if sdpa is not None and not getattr(sdpa, "hkernels", False):
+                ours = _hf_sdpa(sdpa)
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = ours
+                done.append(Replacement("transformers:ALL_ATTENTION_FUNCTIONS[sdpa]", "attention", "registry",
+                                        sdpa, ours))
     model.__dict__.setdefault(_RECORD, []).extend(done)
     return done
 
@@ -315,6 +370,10 @@ def unpatch(model: nn.Module) -> list[Replacement]:
         elif r.kind == "forward":
             target = model if r.where == "<model>" else model.get_submodule(r.where)
             target.__dict__.pop("forward", None)
+        elif r.kind == "registry":
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = r.old
         else:
             mod_name, _, fn_name = r.where.rpartition(".")
             setattr(sys.modules[mod_name], fn_name, r.old)

@@ -12,7 +12,7 @@ from torch import nn
 import hkernels
 from bench import model as bench_model
 from hkernels import nn as hnn
-from hkernels.patch import OPS, Replacement, unpatch
+from hkernels.patch import DEFAULT_OPS, OPS, Replacement, unpatch
 
 BACKENDS = ["helion", "triton"]
 
@@ -123,6 +123,35 @@ def test_patched_model_matches_unpatched_loss_and_gradients(backend, device):
         torch.testing.assert_close(logits, plain(ids).logits, rtol=1e-3, atol=1e-4)
     finally:
         unpatch(model)
+
+
+def test_attention_is_opt_in_and_matches(device):
+    """ops=None leaves attention alone; asking for it replaces bench.model's marked causal_attention, and the
+    tiny model's loss and gradients still match the unpatched one (Triton's attention kernel, head dim 16)."""
+    model, ids = _tiny(device)
+    assert "attention" in OPS and "attention" not in DEFAULT_OPS
+    original = bench_model.causal_attention
+    done = hkernels.patch(model)
+    try:
+        assert all(r.op != "attention" for r in done)
+    finally:
+        unpatch(model)
+    plain = copy.deepcopy(model)
+    want = plain(ids, labels=ids).loss
+    want.backward()
+    done = hkernels.patch(model, ops=[*DEFAULT_OPS, "attention"])
+    try:
+        assert [r.where for r in done if r.op == "attention"] == ["bench.model.causal_attention"]
+        assert bench_model.causal_attention is not original
+        with hkernels.use_backend("triton"):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)
+    assert bench_model.causal_attention is original
 
 
 def test_state_dict_loads_both_ways_between_patched_and_plain(device):

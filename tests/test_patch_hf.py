@@ -134,3 +134,44 @@ def test_hf_look_alike_norms_that_scale_by_one_plus_weight_are_left_alone(device
         pytest.skip("none of the look-alike classes in this transformers")
     net = torch.nn.Sequential(*found)
     assert hkernels.patch(net, ops="rms_norm") == []
+
+
+def test_hf_attention_patch_runs_plain_causal_calls_and_restores(monkeypatch, device):
+    """ops="attention" swaps HF's sdpa attention function for one on hkernels.attention (plain causal calls; the
+    rest stay on SDPA), loss and gradients match, and unpatch puts the registry entry back."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+    module = importlib.import_module("hkernels.patch")
+    calls = []
+    real = module.functional.attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module.functional, "attention", spy)
+    model, ids = _tiny("llama", device)
+    plain = copy.deepcopy(model)
+    want = plain(input_ids=ids, labels=ids).loss
+    want.backward()
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    done = hkernels.patch(model, ops="attention")
+    try:
+        assert [r.op for r in done] == ["attention"] and ALL_ATTENTION_FUNCTIONS["sdpa"] is not original
+        with hkernels.use_backend("triton"):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        assert len(calls) == 2  # one per layer
+        torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        # with a padding mask the call is not plain causal: SDPA runs it
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        assert len(calls) == 2
+    finally:
+        unpatch(model)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
