@@ -35,11 +35,12 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
-def _over_last(x: Tensor, dims: int, module: str) -> Tensor:
+def _over_last(x: Tensor, normalized_shape: tuple[int, ...], module: str) -> Tensor:
     """[..., *normalized_shape] -> [..., prod(normalized_shape)]: the ops normalise over one trailing dim."""
-    if x.dim() < dims:
-        raise ValueError(f"hkernels.nn.{module}: input of shape {list(x.shape)} has fewer dims than the normalized "
-                         f"shape ({dims})")
+    dims = len(normalized_shape)
+    if tuple(x.shape[-dims:]) != normalized_shape or x.dim() < dims:
+        raise ValueError(f"hkernels.nn.{module}: input's trailing dims {list(x.shape[-dims:])} are not the "
+                         f"normalized shape {list(normalized_shape)}")
     return x if dims == 1 else x.flatten(-dims)
 
 
@@ -65,13 +66,10 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        dims = len(self.normalized_shape)
-        if tuple(x.shape[-dims:]) != self.normalized_shape:
-            raise ValueError(f"hkernels.nn.RMSNorm: input's trailing dims {list(x.shape[-dims:])} are not the "
-                             f"normalized shape {list(self.normalized_shape)}")
+        rows = _over_last(x, self.normalized_shape, "RMSNorm")
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = None if self.weight is None else self.weight.reshape(-1)
-        return functional.rms_norm(_over_last(x, dims, "RMSNorm"), w, eps).view(x.shape)
+        return functional.rms_norm(rows, w, eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -105,13 +103,10 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        dims = len(self.normalized_shape)
-        if tuple(x.shape[-dims:]) != self.normalized_shape:
-            raise ValueError(f"hkernels.nn.LayerNorm: input's trailing dims {list(x.shape[-dims:])} are not the "
-                             f"normalized shape {list(self.normalized_shape)}")
+        rows = _over_last(x, self.normalized_shape, "LayerNorm")
         w = None if self.weight is None else self.weight.reshape(-1)
         b = None if self.bias is None else self.bias.reshape(-1)
-        return functional.layer_norm(_over_last(x, dims, "LayerNorm"), w, b, self.eps).view(x.shape)
+        return functional.layer_norm(rows, w, b, self.eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
