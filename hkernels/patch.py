@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,6 +290,12 @@ def _bind(m: nn.Module, fn: Any) -> Any:
     return forward
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Hooks registered on ``m``, or a forward replaced on the instance (accelerate's offloading does that)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None) or "forward" in m.__dict__)
+
+
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     parent_path, _, attr = path.rpartition(".")
     return (model.get_submodule(parent_path) if parent_path else model), attr
@@ -308,6 +315,7 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
         raise TypeError(f"hkernels.patch: model must be a torch.nn.Module, got {type(model).__name__}")
     done: list[Replacement] = []
     builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss)]
+    hooked = []
     for path, m in list(model.named_modules()):
         if not path:
             continue
@@ -315,10 +323,16 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
             if op in wanted:
                 new = build(m)
                 if new is not None:
+                    if _hooked(m):  # its hooks would not run on a new module: leave it, and say so
+                        hooked.append(path)
+                        break
                     parent, attr = _parent(model, path)
                     setattr(parent, attr, new)
                     done.append(Replacement(path, op, "module", m, new))
                     break
+    if hooked:
+        warnings.warn(f"hkernels.patch: left {len(hooked)} module(s) with hooks or a replaced forward as they are "
+                      f"(e.g. {hooked[0]}): a new module would not run their hooks", RuntimeWarning, stacklevel=2)
     for path, m in model.named_modules():
         gate = _mlp_gate(m)
         if gate is not None and gate in wanted and "forward" not in m.__dict__:

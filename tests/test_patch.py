@@ -239,6 +239,19 @@ def test_unmarked_rope_functions_are_left_alone():
     assert apply_rotary_pos_emb(1, 2, 3, 4) == (1, 2)
 
 
+def test_modules_with_hooks_are_left_alone_with_a_warning(device):
+    model, _ = _tiny(device)
+    seen = []
+    model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(1))
+    with pytest.warns(RuntimeWarning, match=r"hkernels\.patch: left 1 module.*model\.norm"):
+        done = hkernels.patch(model, ops="rms_norm")
+    try:
+        assert "model.norm" not in [r.where for r in done] and len(done) == 2 * model.config.num_layers
+        assert type(model.model.norm) is nn.RMSNorm
+    finally:
+        unpatch(model)
+
+
 def test_gemma_style_rms_norm_is_left_alone(device):
     class GemmaRMSNorm(nn.Module):  # scales by (1 + weight): a different function
         def __init__(self) -> None:
