@@ -116,6 +116,20 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
+def capture_graph(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn`` captured as a CUDA graph, after a warm-up on a side stream (as graph capture of autograd requires)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
     """(median, p20, p80) milliseconds of ``fn`` captured once as a CUDA graph and replayed (L2 flushed between
     replays).
@@ -124,15 +138,7 @@ def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, f
     dispatch, autograd bookkeeping) takes longer than its kernels leaves the GPU idle, and per-call timing then
     measures the host: on the H200 machines here, whose CPUs are slow, that is tens of µs per op call.
     """
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture of autograd requires
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, device)
     # do_bench spends its 25 + 100 ms whatever a replay costs, the bulk of a decode-shape row's measuring. A replay
     # under 0.2 ms gets 5 + 20 ms: still hundreds of samples (each also zeroes the 256 MB flush buffer, ~0.08 ms).
     torch.cuda.synchronize(device)

@@ -9,6 +9,12 @@ slow stretch of the host moves numerator and denominator together. Kernel backen
 
 Reported per op and shape: the median µs per call of each backend, and the paired ratios that issue 6's targets
 name — each backend against torch.compile and against eager, and ``auto`` against the faster of helion and triton.
+
+``--gpu-time`` (a GPU only) times the kernels instead of the calls, for any shape: each backend's step
+(``--mode fwd`` or ``fwd_bwd``) captured once as a CUDA graph, then in each round every graph replayed under
+do_bench (L2 flushed between replays), in a fresh random order; the same paired ratios. This is the check of
+"auto within 3% of the faster backend", which sequential graph-timed rows (6-9% apart for the same kernel in one
+run) could not settle.
 """
 
 from __future__ import annotations
@@ -57,6 +63,56 @@ def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str,
     return run_fn
 
 
+def _step(op: Any, backend: str, inputs: list[torch.Tensor], mode: str,
+          compiled: dict[str, Any]) -> Callable[[], object]:
+    """One forward (or forward and backward) of ``backend``, to capture as a CUDA graph: kernel backends with
+    their scope entered inside, so that the capture records that backend's kernels."""
+    import hkernels
+
+    if backend in KERNEL_BACKENDS:
+        def fn(*a: torch.Tensor) -> object:
+            with hkernels.use_backend(backend):
+                return op.kernel(*a)
+    elif backend == "torch":
+        fn = op.eager
+    elif backend == "torch_compile":
+        if op.name not in compiled:
+            compiled[op.name] = torch.compile(op.eager, dynamic=False)
+        fn = compiled[op.name]
+    else:
+        fn = op.peers[backend]
+    if mode == "fwd":
+        ins = [t.detach().clone() for t in inputs]  # a peer may write into its inputs
+        return lambda: fn(*ins)
+    ins = [t.detach().clone().requires_grad_(i in op.diff) if i in op.diff else t for i, t in enumerate(inputs)]
+    wrt = [ins[i] for i in op.diff]
+    outs = fn(*ins)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ups = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+
+    def fwd_bwd() -> object:
+        out = fn(*ins)
+        return torch.autograd.grad(out if isinstance(out, tuple) else (out,), wrt, ups)
+    return fwd_bwd
+
+
+def measure_graphs(steps: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                   seed: int = 0) -> dict[str, list[float]]:
+    """GPU µs of each step per round: each captured once as a CUDA graph, replayed under do_bench per round in a
+    random order."""
+    from bench.harness import capture_graph, time_quantiles
+
+    graphs = {b: capture_graph(fn, device) for b, fn in steps.items()}
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {b: [] for b in graphs}
+    for _ in range(rounds):
+        order = list(graphs)
+        rng.shuffle(order)
+        for b in order:
+            times[b].append(time_quantiles(graphs[b].replay, device, 5, 20)[0] * 1e3)
+    return times
+
+
 def measure(loops: dict[str, Callable[[int], None]], device: torch.device, rounds: int, calls: int,
             seed: int = 0) -> dict[str, list[float]]:
     """µs per call of each loop, one entry per round; every round times every loop once, in a random order."""
@@ -96,6 +152,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200, help="calls per loop")
     p.add_argument("--quick", action="store_true", help="two small shapes per op (the only mode on a CPU)")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="GPU time of CUDA-graph replays instead of per-call latency (any shape; a GPU only)")
+    p.add_argument("--mode", default="fwd", choices=("fwd", "fwd_bwd"), help="with --gpu-time: what a step runs")
     p.add_argument("--out", type=Path, default=None, help="where to write latency.json")
     return p.parse_args(argv)
 
@@ -105,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not (args.quick and os.environ.get("HKERNELS_INTERPRET") == "1"):
         print("bench.latency: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --quick)", file=sys.stderr)
+        return 2
+    if args.gpu_time and not on_gpu:
+        print("bench.latency: --gpu-time needs a CUDA GPU (it replays CUDA graphs)", file=sys.stderr)
         return 2
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -132,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
             inputs = make_inputs(op, shape, dtype, device)
             backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch")
                         or (b == "torch_compile" and op.compile) or b in op.peers]
-            with torch.no_grad():
-                loops = {b: _loop(op, b, inputs, compiled) for b in backends}
-                times = measure(loops, device, args.rounds if on_gpu else 2, args.calls if on_gpu else 2)
+            if args.gpu_time:
+                steps = {b: _step(op, b, inputs, args.mode, compiled) for b in backends}
+                times = measure_graphs(steps, device, args.rounds)
+            else:
+                with torch.no_grad():
+                    loops = {b: _loop(op, b, inputs, compiled) for b in backends}
+                    times = measure(loops, device, args.rounds if on_gpu else 2, args.calls if on_gpu else 2)
             row = {
                 "op": op_name, "shape": "x".join(str(s) for s in shape if s), "dtype": args.dtype,
+                "timing": f"GPU µs per {args.mode} (graph replays)" if args.gpu_time else "µs per call (host loop)",
                 "us_per_call": {b: statistics.median(t) for b, t in times.items()},
                 "vs_torch_compile": {b: paired(times, b, "torch_compile") for b in times if b != "torch_compile"},
                 "vs_eager": {b: paired(times, b, "torch") for b in times if b != "torch"},

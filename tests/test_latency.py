@@ -34,3 +34,21 @@ def test_latency_command_quick(tmp_path, capsys):
     assert rows and all(set(r["us_per_call"]) == {"triton", "torch"} for r in rows)
     assert rows[0]["vs_eager"]["triton"] > 0
     assert "rms_norm" in capsys.readouterr().out
+
+
+def test_gpu_time_needs_a_gpu_on_a_cpu():
+    if torch.cuda.is_available():
+        return  # on a GPU the mode runs (the H200 run exercises it)
+    assert latency.main(["--quick", "--gpu-time", "--ops", "rms_norm"]) == 2
+
+
+def test_steps_to_capture_run_forward_and_backward(device):
+    from bench.ops import OPS, make_inputs, quick_shapes
+
+    op = OPS["rms_norm"]
+    inputs = make_inputs(op, quick_shapes(op, device)[0], torch.float32, device)
+    for backend in ("triton", "torch"):
+        grads = latency._step(op, backend, inputs, "fwd_bwd", {})()
+        assert len(grads) == len(op.diff) and all(g.shape == inputs[i].shape for g, i in zip(grads, op.diff, strict=True))
+        out = latency._step(op, backend, inputs, "fwd", {})()
+        assert out.shape == inputs[0].shape
