@@ -49,6 +49,7 @@ def test_steps_to_capture_run_forward_and_backward(device):
     inputs = make_inputs(op, quick_shapes(op, device)[0], torch.float32, device)
     for backend in ("triton", "torch"):
         grads = latency._step(op, backend, inputs, "fwd_bwd", {})()
-        assert len(grads) == len(op.diff) and all(g.shape == inputs[i].shape for g, i in zip(grads, op.diff, strict=True))
+        assert len(grads) == len(op.diff)
+        assert all(g.shape == inputs[i].shape for g, i in zip(grads, op.diff, strict=True))
         out = latency._step(op, backend, inputs, "fwd", {})()
         assert out.shape == inputs[0].shape
