@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from bench import harness, report
-    from bench.ops import MODES, OPS, PRESETS, make_inputs, preset_shapes, quick_shapes
-    from hkernels import use_backend  # before anything imports triton: interpret mode must be set up first
+    from bench.ops import MODES, OPS, PRESETS, callable_for, make_inputs, preset_shapes, quick_shapes
 
     dynamo_config = importlib.import_module("torch._dynamo.config")
     # torch.compile recompiles per shape; the default limit (8 per function) would fall back to eager silently.
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                     i += 1
                     row = harness.Row(op_name, m, n, args.dtype, mode, backend, k)
                     group.append(row)
-                    fn = _callable(op, backend, compiled, use_backend)
+                    fn = callable_for(op, backend, compiled)
                     if fn is None:
                         row.error = "not available here"
                         continue
@@ -212,24 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"hkernels failed: {r.op} {harness.shape_of(r)} {r.mode} {r.backend}: {r.error}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _callable(op, backend, compiled, use_backend):
-    if backend in ("helion", "triton", "auto"):
-
-        def run(*a):
-            with use_backend(backend):
-                return op.kernel(*a)
-
-        return run
-    if backend == "torch":
-        return op.eager
-    if backend == "torch_compile":
-        key = op.name
-        if key not in compiled:
-            compiled[key] = torch.compile(op.eager, dynamic=False)
-        return compiled[key]
-    return op.peers.get(backend)
 
 
 def _outputs(out) -> tuple:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.ops import OPS, PRESETS, make_inputs, preset_shapes, quick_shapes
+from bench.ops import OPS, PRESETS, callable_for, make_inputs, preset_shapes, quick_shapes
 
 BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "liger")
 KERNEL_BACKENDS = ("auto", "helion", "triton")
@@ -42,20 +42,13 @@ def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str,
     """A function running ``n`` forward calls of ``backend`` back to back."""
     import hkernels
 
-    if backend in KERNEL_BACKENDS:
+    if backend in KERNEL_BACKENDS:  # one scope per loop, not per call (as under HKERNELS_BACKEND)
         def run(n: int) -> None:
             with hkernels.use_backend(backend):
                 for _ in range(n):
                     op.kernel(*inputs)
         return run
-    if backend == "torch":
-        fn = op.eager
-    elif backend == "torch_compile":
-        if op.name not in compiled:
-            compiled[op.name] = torch.compile(op.eager, dynamic=False)
-        fn = compiled[op.name]
-    else:
-        fn = op.peers[backend]
+    fn = callable_for(op, backend, compiled)
 
     def run_fn(n: int) -> None:
         for _ in range(n):
@@ -67,20 +60,7 @@ def _step(op: Any, backend: str, inputs: list[torch.Tensor], mode: str,
           compiled: dict[str, Any]) -> Callable[[], object]:
     """One forward (or forward and backward) of ``backend``, to capture as a CUDA graph: kernel backends with
     their scope entered inside, so that the capture records that backend's kernels."""
-    import hkernels
-
-    if backend in KERNEL_BACKENDS:
-        def fn(*a: torch.Tensor) -> object:
-            with hkernels.use_backend(backend):
-                return op.kernel(*a)
-    elif backend == "torch":
-        fn = op.eager
-    elif backend == "torch_compile":
-        if op.name not in compiled:
-            compiled[op.name] = torch.compile(op.eager, dynamic=False)
-        fn = compiled[op.name]
-    else:
-        fn = op.peers[backend]
+    fn = callable_for(op, backend, compiled)
     if mode == "fwd":
         ins = [t.detach().clone() for t in inputs]  # a peer may write into its inputs
         return lambda: fn(*ins)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hkernels.nn import RotaryEmbedding  # Llama's cos/sin tables, plain torch (no kernel)
+
 Tensor = torch.Tensor
 
 
@@ -69,19 +71,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 causal_attention.hkernels_attention = "causal"
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, dim: int, base: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    @torch.no_grad()
-    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -133,7 +122,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, cfg.rope_base)
+        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, base=cfg.rope_base)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -389,6 +390,23 @@ def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int) -> int | 
 
 def flops(op: OpBench, mode: str, m: int, n: int, k: int) -> float | None:
     return op.flops_fn(mode, m, n, k) if op.flops_fn is not None else None
+
+
+def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callable[..., object] | None:
+    """``op``'s forward on ``backend``: hkernels' backends inside a ``use_backend`` scope per call, PyTorch eager,
+    torch.compile of eager (compiled once per op, kept in ``compiled``), or a peer (None where it lacks the op)."""
+    if backend in ("helion", "triton", "auto"):
+        def run(*a: Tensor) -> object:
+            with hkernels.use_backend(backend):
+                return op.kernel(*a)
+        return run
+    if backend == "torch":
+        return op.eager
+    if backend == "torch_compile":
+        if op.name not in compiled:
+            compiled[op.name] = torch.compile(op.eager, dynamic=False)
+        return compiled[op.name]
+    return op.peers.get(backend)
 
 
 def make_inputs(

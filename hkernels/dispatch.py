@@ -358,8 +358,8 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
     """Under auto, Triton runs where the measured table chose it (Helion is there too, else auto would not pick
     Triton from a table): if Triton cannot run the input, Helion does, with one warning per (op, reason); if
     Helion fails too, Triton's error is raised."""
-    signature = _signature(fn, tensors)
-    if signature in _triton_failures:  # failed before for this signature: straight to Helion
+    # failed before for this signature: straight to Helion (the signature is built only once something failed)
+    if _triton_failures and _signature(fn, tensors) in _triton_failures:
         return getattr(_module("helion", op), fn)(*args)
     try:
         return getattr(module, fn)(*args)
@@ -374,7 +374,7 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
         except Exception:
             raise e from None
         with _lock:
-            _triton_failures[signature] = reason
+            _triton_failures[_signature(fn, tensors)] = reason
             first = (op, reason) not in _warned
             _warned.add((op, reason))
         if first:

@@ -145,7 +145,7 @@ class GeGLUMLP(SwiGLUMLP):
 class RotaryEmbedding(nn.Module):
     """Llama's rotary tables: ``forward(x, position_ids)`` -> ``(cos, sin)``, each [B, S, D] in x's dtype, with
     ``inv_freq = base^(-2i/D)`` a non-persistent buffer (so the state_dict is empty, as Hugging Face's);
-    :meth:`apply` rotates q [B, Hq, S, D] and k [B, Hk, S, D] with :func:`hkernels.rope`."""
+    :meth:`rotate` rotates q [B, Hq, S, D] and k [B, Hk, S, D] with :func:`hkernels.rope`."""
 
     def __init__(self, dim: int, base: float = 10000.0, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -163,7 +163,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     @staticmethod
-    def apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         return functional.rope(q, k, cos, sin)
 
     def extra_repr(self) -> str:

@@ -48,6 +48,28 @@ def test_rms_norm_module_eps_none_is_the_dtype_eps(device):
     torch.testing.assert_close(ours.to(device)(x), theirs.to(device)(x), rtol=1e-4, atol=1e-6)
 
 
+def test_rotary_embedding_tables_and_rotation(device):
+    """cos/sin as Llama's (base^(-2i/D), both halves), no state_dict entries, rotate() = the rope reference, and
+    nn.Module.apply still works on it (a static method named apply once shadowed it)."""
+    from hkernels import reference
+
+    rot = hnn.RotaryEmbedding(16, base=10000.0).to(device)
+    assert rot.state_dict() == {}
+    pos = torch.arange(5, device=device)[None]
+    x = torch.randn(1, 5, 16, device=device)
+    cos, sin = rot(x, pos)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, device=device).float() / 16)
+    ang = pos[0, :, None].float() * inv
+    torch.testing.assert_close(cos[0], torch.cat((ang, ang), -1).cos())
+    torch.testing.assert_close(sin[0], torch.cat((ang, ang), -1).sin())
+    q, k = torch.randn(1, 4, 5, 16, device=device), torch.randn(1, 2, 5, 16, device=device)
+    got = rot.rotate(q, k, cos, sin)
+    want = reference.rope(q, k, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert rot.apply(lambda m: None) is rot
+
+
 def test_module_input_of_the_wrong_size_names_the_module(device):
     with pytest.raises(ValueError, match=r"hkernels\.nn\.RMSNorm.*normalized shape"):
         hnn.RMSNorm(8).to(device)(torch.randn(2, 9).to(device))
