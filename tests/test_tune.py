@@ -84,3 +84,86 @@ def test_tune_searches_rope_and_cross_entropy_settings(tmp_path, monkeypatch, de
         assert "no launch-setting search" not in capsys.readouterr().out
     finally:
         configs.reload()
+
+
+class _FakeSettings:
+    autotune_seed_configs = None
+    autotune_budget_seconds = None
+
+
+class _FakeKernel:
+    """Stands in for a Helion kernel: Helion's autotuner needs a GPU, the tune command's handling of its result
+    does not. ``tuned_ms`` is what the tuned config times at (the shipped one times 1.0 ms)."""
+
+    name = "_fake_fwd"
+
+    def __init__(self, tuned_ms: float) -> None:
+        import helion
+
+        self.settings = _FakeSettings()
+        self.tuned = helion.Config(num_warps=8)
+        self.tuned_ms = tuned_ms
+        self.seen: dict[str, object] = {}
+        outer = self
+
+        class Bound:
+            class config_spec:  # mirrors Helion's attribute name
+                @staticmethod
+                def default_config():
+                    return helion.Config(num_warps=4)
+
+            @staticmethod
+            def autotune(args, force):
+                outer.seen["seed"] = outer.settings.autotune_seed_configs
+                outer.seen["budget"] = outer.settings.autotune_budget_seconds
+                return outer.tuned
+
+            @staticmethod
+            def compile_config(config, allow_print):
+                ms = outer.tuned_ms if config == outer.tuned else 1.0
+                return lambda *args: ms
+
+        self.bound = Bound
+
+    def bind(self, args):
+        return self.bound
+
+
+def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float):
+    import contextlib
+
+    import helion
+
+    from hkernels.ops import _helion
+
+    kernel = _FakeKernel(tuned_ms)
+    x = torch.randn(4, 64)
+
+    @contextlib.contextmanager
+    def record():
+        yield [(kernel, (x,), 64)]
+
+    class Case:
+        name, op = "fake 4x64 bfloat16", "fake"
+
+        def forward_backward(self):
+            return None
+
+    monkeypatch.setattr(_helion, "record", record)
+    monkeypatch.setattr(_helion, "forget", lambda: None)
+    monkeypatch.setattr(_helion, "_bucket", lambda *a: {"config": {"num_warps": 4}})
+    monkeypatch.setattr(tune, "_time_ms", lambda fn, device: fn())
+    lines = tune.tune_helion(Case(), "sm90", tmp_path, budget_s=30)
+    assert kernel.seen["seed"] == [helion.Config(num_warps=4)] and kernel.seen["budget"] == 30  # seeded, bounded
+    assert kernel.settings.autotune_seed_configs is None and kernel.settings.autotune_budget_seconds is None
+    return lines
+
+
+def test_tune_helion_writes_a_tuned_config_only_where_it_beats_the_shipped_one(tmp_path, monkeypatch):
+    path = tmp_path / "helion" / "sm90" / "fake.json"
+    (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=1.0)  # a search that found nothing better
+    assert "shipped config kept" in line and not path.exists()
+    (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=0.8)
+    assert "written" in line and "1.250x" in line
+    (bucket,) = json.loads(path.read_text())["_fake_fwd"]
+    assert bucket["config"] == {"num_warps": 8} and bucket["min_n"] == bucket["max_n"] == 64
