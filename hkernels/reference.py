@@ -179,9 +179,11 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> Tensor:
-    """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]."""
+    """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
+    rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
+    as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    return cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
+    return cross_entropy(logits.to(_compute_dtype(logits.dtype)), target, ignore_index, reduction, label_smoothing)
 
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:

@@ -245,7 +245,7 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
     loss = torch.cat(losses)
     if reduction != "none":
         loss = loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
-    return loss.to(hidden.dtype)
+    return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # the op's loss is float32, as HF's is
 
 
 _ELEMENTWISE = [(n, s) for n, s in SHAPES if n != "large_n"] + [("long_rows", (2, 100003))]
