@@ -116,6 +116,8 @@ class _FakeKernel:
             def autotune(args, force):
                 outer.seen["seed"] = outer.settings.autotune_seed_configs
                 outer.seen["budget"] = outer.settings.autotune_budget_seconds
+                if outer.tuned_ms is None:
+                    raise RuntimeError("No working config found from autotuning")
                 return outer.tuned
 
             @staticmethod
@@ -129,7 +131,7 @@ class _FakeKernel:
         return self.bound
 
 
-def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float):
+def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float | None):
     import contextlib
 
     import helion
@@ -167,3 +169,6 @@ def test_tune_helion_writes_a_tuned_config_only_where_it_beats_the_shipped_one(t
     assert "written" in line and "1.250x" in line
     (bucket,) = json.loads(path.read_text())["_fake_fwd"]
     assert bucket["config"] == {"num_warps": 8} and bucket["min_n"] == bucket["max_n"] == 64
+    (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=None)  # a failed search: reported, table untouched
+    assert "search failed" in line and "No working config" in line and "shipped config kept" in line
+    assert json.loads(path.read_text())["_fake_fwd"][0]["config"] == {"num_warps": 8}
