@@ -701,7 +701,9 @@ def _cross_entropy_fwd(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     count, scale = _loss_scale(target, ignore_index, reduction)
-    grad = torch.empty_like(logits) if fused_grad else None
+    # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
+    # logits' empty_like would not have it: found by the fuzz tests).
+    grad = logits.new_empty(logits.shape) if fused_grad else None
     if logits.numel() == 0:
         loss = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     else:
@@ -713,7 +715,7 @@ def _cross_entropy_fwd(
 @_cross_entropy_fwd.register_fake
 def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
       backend: str) -> tuple[Tensor, Tensor]:
-    grad = torch.empty_like(logits) if fused_grad else _placeholder(logits)
+    grad = logits.new_empty(logits.shape) if fused_grad else _placeholder(logits)
     return _loss_like(logits, logits.shape[0], reduction), grad
 
 
@@ -722,7 +724,7 @@ def _cross_entropy_grad(
     dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, backend: str
 ) -> Tensor:
     # reduction="none": the gradient is made in the backward, scaled per token by dloss as it is written.
-    grad = torch.empty_like(logits)
+    grad = logits.new_empty(logits.shape)  # contiguous (see _cross_entropy_fwd)
     if logits.numel():
         dispatch.run("cross_entropy", "cross_entropy_fwd", backend, _rows(logits), target, dloss.float(),
                      ignore_index, label_smoothing, grad)
@@ -732,7 +734,7 @@ def _cross_entropy_grad(
 @_cross_entropy_grad.register_fake
 def _(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
       backend: str) -> Tensor:
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 @torch.library.custom_op("hkernels::loss_grad_scale_", mutates_args=("grad",))

@@ -382,7 +382,7 @@ def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
     ct = _compute_dtype(z.dtype)
     zf, d = z.to(ct), dy.to(ct)
     if activation == "relu":
-        return (d * (zf > 0)).to(dy.dtype)
+        return torch.where(zf <= 0, 0.0, d).to(dy.dtype)  # NaN passes, as in torch.relu's backward
     if activation == "silu":
         sig = torch.sigmoid(zf)
         return (d * sig * (1 + zf * (1 - sig))).to(dy.dtype)

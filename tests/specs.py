@@ -242,7 +242,7 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
         )
         for i in range(0, hidden.shape[0], rows)
     ]
-    loss = torch.cat(losses)
+    loss = torch.cat(losses) if losses else hidden.new_zeros(0, dtype=torch.float32)  # T = 0: no chunks
     if reduction != "none":
         loss = loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
     return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # the op's loss is float32, as HF's is

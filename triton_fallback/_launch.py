@@ -18,6 +18,8 @@ launches.
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import torch
@@ -70,9 +72,19 @@ def _shape(kernel: Any) -> Any:
     return shape
 
 
+# Triton's interpreter patches triton.language module-wide while a kernel runs, so two threads interpreting kernels
+# at once break each other ("Did you forget to add @triton.jit?", seen in tests/test_bad_inputs.py): in interpret
+# mode every launch (hand-written here, Helion's in hkernels/ops/_helion.py) holds this lock.
+INTERPRET_LOCK = threading.RLock()
+
+
 def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, with Triton's per-call binding skipped after the first call for a key.
     Runtime (non-constexpr) arguments must come by position; constexprs and launch options by keyword."""
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        with INTERPRET_LOCK:
+            kernel[grid](*args, **meta)
+        return
     shape = _shape(kernel)
     if shape is None or callable(grid) or _hooks():
         kernel[grid](*args, **meta)

@@ -7,7 +7,7 @@ Math, with float32 accumulation whatever the input dtype (float32 inputs use IEE
   Φ is evaluated as ½·erfc(−z/√2) from a Chebyshev fit of erfc (relative error < 1.2e-7, see ``_activation``).
 The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
 Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
-  relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
+  relu' = [not z ≤ 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
   silu' = s·(1 + z·(1 − s)), s = σ(z).
 The matmul parts of the backward (dz @ bᵀ, aᵀ @ dz) are this same forward on transposed views.
 
@@ -231,7 +231,7 @@ def _matmul_act_bwd_kernel(
     d = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == "relu":
-        g = tl.where(x > 0.0, d, 0.0)
+        g = tl.where(x <= 0.0, 0.0, d)  # a NaN z passes the gradient, as torch.relu's backward does
     elif ACTIVATION == "gelu":
         if FAST_CDF:
             cdf, e = _normal_cdf_fast(x)  # e = e^(−x²/2): φ(x) from the same exponential

@@ -18,7 +18,7 @@ import helion
 import torch
 
 from hkernels import _interpret, configs
-from triton_fallback._launch import helion_launcher
+from triton_fallback._launch import INTERPRET_LOCK, helion_launcher
 
 
 def arch_of(device: torch.device) -> str:
@@ -126,7 +126,8 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
             _compiled[key] = fn
     if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
         return fn(*args, _launcher=helion_launcher)
-    return fn(*args)
+    with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+        return fn(*args)
 
 
 def forget() -> None:

@@ -94,6 +94,11 @@ def _attention_fwd(
             sc = hl.dot(qi, kc.T, out_dtype=torch.float32) * qk_scale
             if causal:
                 sc = torch.where(tile_m.index[:, None] >= tile_c.index[None, :], sc, float("-inf"))
+            else:
+                # Keys past Skv: Helion masks the reductions but not the dot, and their score 0 (zero rows) gives
+                # p = exp2(−m) = inf once every real score of a row is below about −88, then inf·0 = NaN in p·v
+                # (found by the fuzz tests with |q| ~ 1e3). Causal blocks never reach past a real query's key.
+                sc = torch.where(tile_c.index[None, :] < skv, sc, float("-inf"))
             # Helion masks both reductions to the keys that exist. Key n_full <= every query of the tile, so the
             # first block leaves no row's max at −∞ (rows past S, never stored, may turn NaN)
             m_new = torch.maximum(m_i, torch.amax(sc, -1))
@@ -110,8 +115,9 @@ def _attention_fwd(
 # Backward, with p_ij = exp2(qk_scale·q_i·k_j − lse_i·log2 e) = P_ij (the forward's softmax, recomputed):
 #   dq_i = scale · Σ_j p_ij (dP_ij − δ_i) k_j,  dP_ij = do_i · v_j,  δ_i = do_i · o_i
 #   dv_j = Σ_i p_ij do_i,  dk_j = scale · Σ_i p_ij (dP_ij − δ_i) q_i   (i over every query head of the group)
-# Rows past the end load as zeros: their q and do are 0, so their p·do and dS·q terms vanish; keys past the end
-# load as zeros, so their dS·k terms vanish. No mask beyond the causal one is needed.
+# Rows past the end load as zeros: their q and do are 0, so their p·do and dS·q terms vanish. Keys past the end load
+# as zeros too, but their p = exp2(−lse_i·log2 e) is inf where every real score of a row is below about −88, and
+# inf·0 = NaN in dS·k: dq masks them (found by the fuzz tests). dk, dv rows of such keys are never stored.
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _attention_bwd_dq(
     do: Tensor,
@@ -145,6 +151,7 @@ def _attention_bwd_dq(
         for tile_n in hl.tile(0, n_end):
             kj = k[bi, hi, tile_n, :]
             p = torch.exp2(hl.dot(qi, kj.T, out_dtype=torch.float32) * qk_scale - lse2[:, None])
+            p = torch.where(tile_n.index[None, :] < skv, p, 0.0)  # keys past Skv (see above)
             dp = hl.dot(doi, v[bi, hi, tile_n, :].T, out_dtype=torch.float32)
             ds = p * (dp - di[:, None])
             acc = hl.dot(ds.to(kj.dtype), kj, acc=acc)
@@ -274,13 +281,17 @@ def attention_bwd(
     Hk, Skv = k.shape[1], k.shape[2]
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
     assert do.shape == o.shape == q.shape and lse.shape == q.shape[:-1]
+    if Skv == 1:
+        # One key: its softmax weight is 1 whatever the scores, so dq = dk = 0 and dv sums do over the group's
+        # queries. (Through the kernels, a zero second key row would get p = exp2(−lse·log2 e), inf once the scores
+        # are large and negative, and inf·0 = NaN in dq: found by the fuzz tests.)
+        dv = do.float().unflatten(1, (Hk, Hq // Hk)).sum((2, 3)).unsqueeze(2).to(v.dtype)
+        return torch.zeros_like(q), torch.zeros_like(k), dv
     do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     causal = causal and S > 1
     if S == 1:  # a zero query row: q = do = 0, so its terms in dk, dv vanish; its dq row is sliced off
         do, q, o = _pad_row(do), _pad_row(q), _pad_row(o)
         lse = torch.cat([lse, lse.new_zeros(lse.shape)], dim=-1)
-    if Skv == 1:  # a zero key row: k = v = 0, so its terms in dq vanish; its dk, dv rows are sliced off
-        k, v = _pad_row(k), _pad_row(v)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -292,6 +303,4 @@ def attention_bwd(
     _helion.run(_attention_bwd_dkdv, (dog, qg, k, v, lseg, deltag, dk, dv, scale * LOG2E, scale, causal), D, q.device)
     if S == 1:
         dq = dq[:, :, :1].contiguous()
-    if Skv == 1:
-        dk, dv = dk[:, :, :1].contiguous(), dv[:, :, :1].contiguous()
     return dq, dk, dv

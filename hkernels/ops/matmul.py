@@ -7,7 +7,7 @@ Math, with float32 accumulation whatever the input dtype (float32 inputs use IEE
   Φ is evaluated as ½·erfc(−z/√2) from a Chebyshev fit of erfc (relative error < 1.2e-7, see ``ERFC_P``).
 The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
 Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
-  relu' = [z > 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
+  relu' = [not z ≤ 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
   silu' = s·(1 + z·(1 − s)), s = σ(z).
 The matmul parts of the backward (dz @ bᵀ, aᵀ @ dz) are this same forward on transposed views.
 
@@ -139,7 +139,7 @@ def _matmul_act_bwd(dy: Tensor, z: Tensor, activation: hl.constexpr, fast_cdf: h
         d = dy[tile_r, tile_n].to(torch.float32)
         x = z[tile_r, tile_n].to(torch.float32)
         if activation == "relu":
-            g = torch.where(x > 0.0, d, 0.0)
+            g = torch.where(x <= 0.0, 0.0, d)  # a NaN z passes the gradient, as torch.relu's backward does
         elif activation == "gelu":
             if fast_cdf:
                 t = torch.abs(x) * SQRT_HALF

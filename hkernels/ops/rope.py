@@ -29,7 +29,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._launch import helion_launcher
+from triton_fallback._launch import INTERPRET_LOCK, helion_launcher
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -112,7 +112,8 @@ def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
     if device.type == "cuda":
         fn(*args, _launcher=helion_launcher)
     else:
-        fn(*args)
+        with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+            fn(*args)
 
 
 def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:

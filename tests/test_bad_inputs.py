@@ -1,0 +1,275 @@
+"""The bad-input matrix: every op × every kind of bad or awkward input, one test per cell.
+
+A cell either raises an exception that names the op (``hkernels.<op>: ...``) and the problem, or gives the right
+answer (checked as the fuzz tests check: against float64 and PyTorch's own computation, NaN and inf included).
+Cells that do not apply to an op (softmax has no second tensor to mismatch) are not generated; cells that need a
+GPU (a CPU tensor sent to a GPU backend, more than 2³¹ elements) are skipped elsewhere, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import hkernels
+from hkernels import reference
+from tests.conftest import ON_GPU
+from tests.test_fuzz import MAKERS, Fixed, run_case
+
+Tensor = torch.Tensor
+
+
+def _f(d: torch.device, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(shape, device=d).to(dtype)
+
+
+def _idx(d: torch.device, t: int, v: int) -> Tensor:
+    return torch.randint(0, v, (t,), device=d)
+
+
+# Per op: a good call's arguments, the main input's name and the second tensor's (None: there is none).
+GOOD: dict[str, tuple[Callable[[torch.device], dict[str, Any]], str, str | None]] = {
+    "rms_norm": (lambda d: {"x": _f(d, 3, 8), "weight": _f(d, 8)}, "x", "weight"),
+    "layer_norm": (lambda d: {"x": _f(d, 3, 8), "weight": _f(d, 8), "bias": _f(d, 8)}, "x", "bias"),
+    "softmax": (lambda d: {"x": _f(d, 3, 8)}, "x", None),
+    "add_rms_norm": (lambda d: {"x": _f(d, 3, 8), "residual": _f(d, 3, 8), "weight": _f(d, 8)}, "x", "residual"),
+    "swiglu": (lambda d: {"gate": _f(d, 3, 8), "up": _f(d, 3, 8)}, "gate", "up"),
+    "geglu": (lambda d: {"gate": _f(d, 3, 8), "up": _f(d, 3, 8)}, "gate", "up"),
+    "rope": (lambda d: {"q": _f(d, 1, 2, 3, 4), "k": _f(d, 1, 1, 3, 4), "cos": _f(d, 3, 4), "sin": _f(d, 3, 4)},
+             "q", "k"),
+    "cross_entropy": (lambda d: {"logits": _f(d, 3, 8), "target": _idx(d, 3, 8)}, "logits", "target"),
+    "fused_linear_cross_entropy": (
+        lambda d: {"hidden": _f(d, 3, 4), "weight": _f(d, 10, 4), "target": _idx(d, 3, 10)}, "hidden", "weight"),
+    "matmul": (lambda d: {"a": _f(d, 3, 4), "b": _f(d, 4, 5)}, "a", "b"),
+    "attention": (lambda d: {"q": _f(d, 1, 2, 3, 16), "k": _f(d, 1, 1, 3, 16), "v": _f(d, 1, 1, 3, 16)}, "q", "k"),
+}
+
+
+def test_every_op_is_in_the_matrix():
+    assert sorted(GOOD) == hkernels.ops() == sorted(MAKERS)
+
+
+def _cells() -> list[Any]:
+    out = []
+    for op, (_, _main, other) in sorted(GOOD.items()):
+        out += [pytest.param(op, cell, id=f"{op}-{cell}") for cell in ("not_a_tensor", "integer", "float64_helion",
+                                                                       "float64_triton", "cpu_tensor_gpu_backend")]
+        if other is not None:
+            out += [pytest.param(op, cell, id=f"{op}-{cell}") for cell in ("shape_mismatch", "device_mix")]
+            if op not in ("rms_norm", "layer_norm", "add_rms_norm"):  # norms take parameters of another dtype
+                out.append(pytest.param(op, "dtype_mix", id=f"{op}-dtype_mix"))
+        if op in ("rope", "attention"):
+            out.append(pytest.param(op, "unsupported_head_dim", id=f"{op}-unsupported_head_dim"))
+    return out
+
+
+def _bad_call(op: str, cell: str, d: torch.device) -> tuple[dict[str, Any], str | None, type[Exception], str]:
+    """(arguments, backend to ask for, the exception, a pattern its message must match)."""
+    make, main, other = GOOD[op]
+    args = make(d)
+    named = rf"hkernels\.{op}: "
+    if cell == "not_a_tensor":
+        args[main] = args[main].tolist()
+        return args, None, TypeError, named + rf"{main} must be a torch\.Tensor"
+    if cell == "integer":
+        args[main] = args[main].to(torch.int64)
+        return args, None, TypeError, named + rf"{main} must be .*float.*int64"
+    if cell.startswith("float64_"):
+        backend = cell.removeprefix("float64_")
+        args = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+        return args, backend, hkernels.BackendUnavailableError, named + rf"backend '{backend}' cannot run .*float64"
+    if cell == "cpu_tensor_gpu_backend":
+        args = {k: v.cpu() for k, v in args.items()}
+        return args, "triton", hkernels.BackendUnavailableError, named + r"backend 'triton' cannot run .*CUDA tensors"
+    if cell == "shape_mismatch":
+        t = args[other]
+        args[other] = torch.randn(*t.shape[:-1], t.shape[-1] + 1, device=d).to(t.dtype)
+        if op == "cross_entropy":
+            args[other] = _idx(d, 4, 8)
+        if op == "matmul":  # a longer row of b is a wider output: the mismatch is in K
+            args[other] = _f(d, 5, 5)
+        return args, None, ValueError, named + rf"(.*{other}|{main}.*)"
+    if cell == "device_mix":
+        args[other] = args[other].to("meta")
+        return args, None, ValueError, named + r".*(meta|device)"
+    if cell == "dtype_mix":
+        args[other] = args[other].to(torch.float16) if op != "cross_entropy" else args[other].float()
+        return args, None, TypeError, named + rf".*({other}|dtype|class indices)"
+    if cell == "unsupported_head_dim":
+        if op == "rope":
+            args = {"q": _f(d, 1, 2, 3, 5), "k": _f(d, 1, 1, 3, 5), "cos": _f(d, 3, 5), "sin": _f(d, 3, 5)}
+            return args, None, ValueError, named + r"the head dim D must be even"
+        args = {"q": _f(d, 1, 2, 3, 256), "k": _f(d, 1, 1, 3, 256), "v": _f(d, 1, 1, 3, 256)}
+        return args, "triton", (ValueError, hkernels.BackendUnavailableError), named + r".*(head dim|D\b)"
+    raise AssertionError(cell)
+
+
+@pytest.mark.parametrize(("op", "cell"), _cells())
+def test_bad_input_raises_naming_the_op_and_the_problem(op, cell, device):
+    if cell == "cpu_tensor_gpu_backend" and not ON_GPU:
+        pytest.skip("on a CPU, CPU tensors are the kernels' own (interpret mode); runs on the GPU")
+    if cell == "device_mix" and device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args, backend, error, pattern = _bad_call(op, cell, device)
+    with pytest.raises(error, match=pattern):
+        if backend is None:
+            getattr(hkernels, op)(**args)
+        else:
+            with hkernels.use_backend(backend):
+                getattr(hkernels, op)(**args)
+
+
+# Cells with a right answer: the op's fuzz maker with the choices fixed, checked as the fuzzing checks.
+RIGHT: dict[str, dict[str, Any]] = {
+    "zero_rows": {"rows": 0, "tokens": 0, "seq": 0, "m": 0},
+    "n1": {"cols": 1, "hidden": 1, "vocab": 1, "k": 1, "n": 1, "head dim": 2},
+    "transposed": {"layout": "transposed", "bshd": True},
+    "column_slice": {"layout": "sliced"},
+    "expanded_rows": {"layout": "expanded"},
+    "nan_row": {"values": "special"},
+}
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("cell", sorted(RIGHT))
+@pytest.mark.parametrize("op", sorted(MAKERS))
+def test_awkward_input_gives_the_right_answer(op, cell, backend, device):
+    run_case(op, backend, Fixed(torch.bfloat16, **RIGHT[cell]), device)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_all_targets_ignored(op, reduction, backend, device):
+    """mean: NaN (0/0, as PyTorch); sum: 0; none: zeros; every gradient 0."""
+    run_case(op, backend, Fixed(torch.float32, ignored=1.0, reduction=reduction), device)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 16 GB free: a tensor of more than 2^31 elements")
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "swiglu", "add_rms_norm", "cross_entropy"])
+def test_more_than_2_31_elements(op, backend, device):
+    """Offsets past 2³¹ need 64-bit index arithmetic: the last rows must be as right as the first."""
+    n = 4096 if op != "cross_entropy" else 128256
+    m = (2**31) // n + 3
+    x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
+    with hkernels.use_backend(backend):
+        if op in ("swiglu",):
+            up = torch.randn_like(x)
+            got = hkernels.swiglu(x, up)[rows]
+            want = reference.swiglu(x[rows], up[rows])
+        elif op == "add_rms_norm":
+            res = torch.randn_like(x)
+            got = hkernels.add_rms_norm(x, res)[0][rows]
+            want = reference.add_rms_norm(x[rows], res[rows])[0]
+        elif op == "cross_entropy":
+            target = torch.randint(0, n, (m,), device=device)
+            got = hkernels.cross_entropy(x, target, reduction="none")[rows]
+            want = reference.cross_entropy(x[rows], target[rows], reduction="none")
+        else:
+            got = getattr(hkernels, op)(x)[rows]
+            want = getattr(reference, op)(x[rows])
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------ faults, threads
+
+
+def _break_helion_compiles(monkeypatch) -> None:
+    """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled and launched
+    (hkernels/ops/_helion.py's run, rope's own launcher)."""
+    from hkernels.ops import _helion, rope
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated Helion compile failure")
+
+    monkeypatch.setattr(_helion, "run", broken)
+    monkeypatch.setattr(rope, "_launch", broken)
+
+
+@pytest.mark.parametrize("op", sorted(MAKERS))
+def test_helion_compile_failure_falls_back_to_triton_with_one_warning(op, monkeypatch, device):
+    _break_helion_compiles(monkeypatch)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match=rf"hkernels\.{op}: Helion could not run"):
+        run_case(op, "auto", Fixed(torch.float32, seq=5), device)  # right answers, forward and backward, on Triton
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_case(op, "auto", Fixed(torch.float32, seed=1, seq=5), device)
+    assert not [w for w in seen if issubclass(w.category, hkernels.HKernelsFallbackWarning)]  # remembered
+
+
+@pytest.mark.parametrize("op", sorted(MAKERS))
+def test_helion_compile_failure_under_an_explicit_request_raises(op, monkeypatch, device):
+    _break_helion_compiles(monkeypatch)
+    with pytest.raises(hkernels.BackendUnavailableError, match=rf"hkernels\.{op}: backend 'helion' failed"):
+        run_case(op, "helion", Fixed(torch.float32, seq=5), device)
+
+
+def test_threads_compiling_the_same_kernels_at_once(device):
+    """Eight threads, half on each backend, all making the first call of the same ops and shapes at once."""
+    import threading
+
+    from hkernels.ops import _helion
+
+    _helion.forget()  # nothing compiled yet in this process for these shapes
+    barrier, errors = threading.Barrier(8), []
+
+    def worker(i: int) -> None:
+        try:
+            with hkernels.use_backend("helion" if i % 2 else "triton"):
+                barrier.wait()
+                for op in ("rms_norm", "softmax", "swiglu", "rope", "cross_entropy"):
+                    d = Fixed(torch.bfloat16, seed=i, rows=9, cols=131, seq=5)
+                    run_case(op, "helion" if i % 2 else "triton", d, device)
+        except Exception as e:  # collected: an exception in a thread would otherwise be lost
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, "\n".join(errors)
+
+
+# ------------------------------------------------------------------------------------------------ determinism
+
+# On the GPU, shapes large enough that several programs share a reduction (weight gradients, attention's dq).
+BIG = {"rows": 1031, "cols": 4096, "tokens": 1031, "hidden": 48, "vocab": 1031, "m": 257, "k": 100, "n": 100,
+       "seq": 64, "kv seq": 65, "head dim": 128, "dim": 64} if ON_GPU else {}
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("op", sorted(MAKERS))
+def test_bitwise_deterministic(op, backend, device):
+    """The same inputs give bitwise-equal outputs and gradients, call after call."""
+    from tests.test_fuzz import _with_grads
+
+    d = Fixed(torch.bfloat16, **BIG)
+    tensors64, kwargs, grads, _ = MAKERS[op](d)
+    from tests.specs import cast_case
+
+    kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    inputs = cast_case(tensors64, torch.bfloat16, device)
+    with hkernels.use_backend(backend):
+        first, first_grads, ups = _with_grads(getattr(hkernels, op), inputs, kwargs, grads, None, d.gen)
+        for _ in range(3):
+            again, again_grads, _ = _with_grads(getattr(hkernels, op), inputs, kwargs, grads, ups, d.gen)
+            for a, b in zip((*first, *first_grads), (*again, *again_grads), strict=True):
+                assert torch.equal(a.detach(), b.detach()) or (
+                    torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+                ), f"{op} on {backend}: not bitwise equal between calls"
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("kv", [1, 3])
+def test_attention_rows_whose_scores_are_all_far_below_zero(kv, backend, device):
+    """|q| ~ 1e5: some rows' scores are all below −88, where exp of a padded key's score 0 minus the row's max
+    overflows; Helion's forward and dq gave NaN there (found by the fuzz tests), PyTorch a finite answer."""
+    run_case("attention", backend, Fixed(torch.float32, values="large", seq=7, **{"kv seq": kv}), device)
