@@ -191,16 +191,19 @@ def _break_helion_compiles(monkeypatch) -> None:
     monkeypatch.setattr(rope, "_launch", broken)
 
 
+_KERNELS = {"kv seq": 7}  # attention with one key runs no kernel (its answer is written out): give it seven
+
+
 @pytest.mark.parametrize("op", sorted(MAKERS))
 def test_helion_compile_failure_falls_back_to_triton_with_one_warning(op, monkeypatch, device):
     _break_helion_compiles(monkeypatch)
     with pytest.warns(hkernels.HKernelsFallbackWarning, match=rf"hkernels\.{op}: Helion could not run"):
-        run_case(op, "auto", Fixed(torch.float32, seq=5), device)  # right answers, forward and backward, on Triton
+        run_case(op, "auto", Fixed(torch.float32, seq=5, **_KERNELS), device)  # right answers, fwd and bwd, on Triton
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        run_case(op, "auto", Fixed(torch.float32, seed=1, seq=5), device)
+        run_case(op, "auto", Fixed(torch.float32, seed=1, seq=5, **_KERNELS), device)
     assert not [w for w in seen if issubclass(w.category, hkernels.HKernelsFallbackWarning)]  # remembered
 
 
@@ -208,7 +211,7 @@ def test_helion_compile_failure_falls_back_to_triton_with_one_warning(op, monkey
 def test_helion_compile_failure_under_an_explicit_request_raises(op, monkeypatch, device):
     _break_helion_compiles(monkeypatch)
     with pytest.raises(hkernels.BackendUnavailableError, match=rf"hkernels\.{op}: backend 'helion' failed"):
-        run_case(op, "helion", Fixed(torch.float32, seq=5), device)
+        run_case(op, "helion", Fixed(torch.float32, seq=5, **_KERNELS), device)
 
 
 def test_threads_compiling_the_same_kernels_at_once(device):

@@ -312,8 +312,12 @@ def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
         [1.0, *(t.double().abs().max().item() for t in finite_in if t.numel())])
     # A gradient's NaN and inf are not told apart: PyTorch's autograd of the reference formula and a fused backward
     # may reach a non-finite value by different roads (inf - inf, 0 * inf); where it is finite it must agree.
-    problems += [check(f"d{n}", g, r, b, dtype, terms, exact_kinds=False)
-                 for n, g, r, b in zip(grads, dgrads, ref_grads, base_grads, strict=True)]
+    # Attention's gradients with a non-finite score are not compared: which keys and heads turn NaN then depends on
+    # the algorithm (masked scores as -inf, blocks skipped), and PyTorch's own SDPA and its composite formula
+    # disagree with each other there (a documented exception, README "Test").
+    if not (op == "attention" and d.regime == "special"):
+        problems += [check(f"d{n}", g, r, b, dtype, terms, exact_kinds=False)
+                     for n, g, r, b in zip(grads, dgrads, ref_grads, base_grads, strict=True)]
     problems = [p for p in problems if p]
     assert not problems, f"{op} on {backend}, {dtype}, {d.layout} layout, {d.regime} values:\n" + "\n".join(problems)
 

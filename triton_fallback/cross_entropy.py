@@ -69,7 +69,8 @@ def _cross_entropy_fwd_kernel(
             x_t = tl.where(valid & in_range, x_t, 0.0)
         else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
-        loss = lse - (1.0 - smoothing) * x_t - smoothing / V * x_sum
+        # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
+        loss = lse - (1.0 - smoothing) * x_t - tl.where(smoothing != 0.0, smoothing / V * x_sum, 0.0)
         loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + row64, loss)
         if HAS_GRAD:

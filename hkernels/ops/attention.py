@@ -282,11 +282,18 @@ def attention_bwd(
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
     assert do.shape == o.shape == q.shape and lse.shape == q.shape[:-1]
     if Skv == 1:
-        # One key: its softmax weight is 1 whatever the scores, so dq = dk = 0 and dv sums do over the group's
-        # queries. (Through the kernels, a zero second key row would get p = exp2(−lse·log2 e), inf once the scores
-        # are large and negative, and inf·0 = NaN in dq: found by the fuzz tests.)
-        dv = do.float().unflatten(1, (Hk, Hq // Hk)).sum((2, 3)).unsqueeze(2).to(v.dtype)
-        return torch.zeros_like(q), torch.zeros_like(k), dv
+        # One key: its softmax weight p = exp(score − lse) is 1 (NaN for a non-finite score), so dS = p·(do·v − do·o)
+        # is 0 and dv sums p·do over the group's queries; written out, no kernel. (Through the kernels, a zero
+        # second key row got p = exp2(−lse·log2 e), inf once the scores are large and negative, and inf·0 = NaN in
+        # dq: found by the fuzz tests.)
+        group = Hq // Hk
+        kf, vf = (t.float().repeat_interleave(group, 1) for t in (k, v))
+        p = torch.exp((q.float() * kf).sum(-1, keepdim=True) * scale - lse.unsqueeze(-1))
+        dof = do.float()
+        ds = p * ((dof * vf).sum(-1, keepdim=True) - (dof * o.float()).sum(-1, keepdim=True))
+        per_kv = lambda t: t.unflatten(1, (Hk, group)).sum((2, 3)).unsqueeze(2)
+        return ((ds * kf * scale).to(q.dtype), per_kv(ds * q.float() * scale).to(k.dtype),
+                per_kv(p * dof).to(v.dtype))
     do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     causal = causal and S > 1
     if S == 1:  # a zero query row: q = do = 0, so its terms in dk, dv vanish; its dq row is sliced off

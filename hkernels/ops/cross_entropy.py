@@ -52,7 +52,10 @@ def _cross_entropy_fwd(
             # x_t picked out in passing (a compare per element) rather than by a gathered load
             x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
         lse = row_max + torch.log(row_sum)
-        row_loss = lse - (1.0 - smoothing) * x_t - smoothing / v * x_sum
+        # Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it 0·(-inf) = NaN
+        # where PyTorch's loss is finite or +inf (found by the fuzz tests).
+        smoothed = (hl.zeros([tile_t], dtype=torch.float32) + smoothing) != 0.0
+        row_loss = lse - (1.0 - smoothing) * x_t - torch.where(smoothed, smoothing / v * x_sum, 0.0)
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
