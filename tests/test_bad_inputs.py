@@ -8,6 +8,7 @@ GPU (a CPU tensor sent to a GPU backend, more than 2³¹ elements) are skipped e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -276,3 +277,43 @@ def test_attention_rows_whose_scores_are_all_far_below_zero(kv, backend, device)
     """|q| ~ 1e5: some rows' scores are all below −88, where exp of a padded key's score 0 minus the row's max
     overflows; Helion's forward and dq gave NaN there (found by the fuzz tests), PyTorch a finite answer."""
     run_case("attention", backend, Fixed(torch.float32, values="large", seq=7, **{"kv seq": kv}), device)
+
+
+# ---------------------------------------------------------------------------------------------------- growth
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="10,000 calls per op: a GPU's worth of time (interpreted kernels take ms each)")
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("op", sorted(MAKERS))
+def test_ten_thousand_calls_leave_memory_flat(op, backend, device):
+    """Forward and backward 10,000 times: GPU memory back to where it was, host memory growing < 2 KB a call."""
+    import gc
+
+    from tests.specs import cast_case
+    from tests.test_fuzz import _with_grads
+
+    d = Fixed(torch.bfloat16, rows=64, cols=4096, tokens=64, seq=5, **_KERNELS)
+    tensors64, kwargs, grads, _ = MAKERS[op](d)
+    kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+    inputs = cast_case(tensors64, torch.bfloat16, device)
+    fn = getattr(hkernels, op)
+    _, _, ups = _with_grads(fn, inputs, kwargs, grads, None, d.gen)
+
+    def calls(n: int) -> None:
+        with hkernels.use_backend(backend):
+            for _ in range(n):
+                _with_grads(fn, inputs, kwargs, grads, ups, d.gen)
+        torch.cuda.synchronize(device)
+        gc.collect()
+
+    calls(2000)  # compiled, cached, allocator warm
+    gpu, host = torch.cuda.memory_allocated(device), _rss_bytes()
+    calls(8000)
+    assert torch.cuda.memory_allocated(device) == gpu, f"{op} on {backend}: GPU memory grew"
+    grew = _rss_bytes() - host
+    assert grew < 8000 * 2048, f"{op} on {backend}: host memory grew {grew / 2**20:.1f} MiB over 8,000 calls"
