@@ -18,7 +18,8 @@ import torch
 import hkernels
 from hkernels import reference
 from tests.conftest import ON_GPU
-from tests.test_fuzz import MAKERS, Fixed, run_case
+from tests.specs import cast_case
+from tests.test_fuzz import MAKERS, Fixed, _with_grads, run_case
 
 Tensor = torch.Tensor
 
@@ -252,13 +253,10 @@ BIG = {"rows": 1031, "cols": 4096, "tokens": 1031, "hidden": 48, "vocab": 1031, 
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 @pytest.mark.parametrize("op", sorted(MAKERS))
 def test_bitwise_deterministic(op, backend, device):
-    """The same inputs give bitwise-equal outputs and gradients, call after call."""
-    from tests.test_fuzz import _with_grads
-
+    """The same inputs give bitwise-equal outputs and gradients, call after call (on a CPU the interpreter runs
+    programs one after another, so this can only fail on a GPU, where it runs with the suite)."""
     d = Fixed(torch.bfloat16, **BIG)
     tensors64, kwargs, grads, _ = MAKERS[op](d)
-    from tests.specs import cast_case
-
     kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     inputs = cast_case(tensors64, torch.bfloat16, device)
     with hkernels.use_backend(backend):
@@ -293,9 +291,6 @@ def _rss_bytes() -> int:
 def test_ten_thousand_calls_leave_memory_flat(op, backend, device):
     """Forward and backward 10,000 times: GPU memory back to where it was, host memory growing < 2 KB a call."""
     import gc
-
-    from tests.specs import cast_case
-    from tests.test_fuzz import _with_grads
 
     d = Fixed(torch.bfloat16, rows=64, cols=4096, tokens=64, seq=5, **_KERNELS)
     tensors64, kwargs, grads, _ = MAKERS[op](d)

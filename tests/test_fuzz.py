@@ -283,13 +283,13 @@ class Fixed(Draw):
         return self.choices.get("rows", 5), self.choices.get("cols", 17)
 
     def main(self, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Tensor:
-        t = super().main(*shape, scale=scale, shift=shift) if self.regime != "special" else None
-        if t is None:  # one NaN at the first element: its row must be NaN, the others untouched
-            self.regime = "normal"
-            t = super().main(*shape, scale=scale, shift=shift)
-            self.regime = "special"
-            if t.numel():
-                (t._base if t._base is not None else t).view(-1)[0] = math.nan
+        if self.regime != "special":
+            return super().main(*shape, scale=scale, shift=shift)
+        self.regime = "normal"  # normal values, then one NaN at the first element: its row NaN, the others untouched
+        t = super().main(*shape, scale=scale, shift=shift)
+        self.regime = "special"
+        if t.numel():
+            (t._base if t._base is not None else t).view(-1)[0] = math.nan
         return t
 
 

@@ -76,12 +76,15 @@ def _shape(kernel: Any) -> Any:
 # at once break each other ("Did you forget to add @triton.jit?", seen in tests/test_bad_inputs.py): in interpret
 # mode every launch (hand-written here, Helion's in hkernels/ops/_helion.py) holds this lock.
 INTERPRET_LOCK = threading.RLock()
+# Read once: triton.jit decides interpreted-or-not when a kernel is decorated, so the env is fixed by then, and a
+# lookup per launch would cost host time on the GPU's hot path.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, with Triton's per-call binding skipped after the first call for a key.
     Runtime (non-constexpr) arguments must come by position; constexprs and launch options by keyword."""
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
+    if _INTERPRETED:
         with INTERPRET_LOCK:
             kernel[grid](*args, **meta)
         return
