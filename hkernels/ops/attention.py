@@ -29,8 +29,8 @@ Work and traffic, N = B·Hq·S·Skv score elements (half of them when causal):
 
 Helion 1.5.0 takes a dim of size 1 for a broadcast and drops the mask of a multi-row tile over it (every lane
 loads and stores row 0): a length-1 query sequence is padded with a zero row (q is tiny then) and the extra row
-sliced off; for the backward a length-1 key sequence is padded the same way (a zero key adds nothing to dq). The
-forward with one key is the identity o = v, lse = that key's score, written as such on the host.
+sliced off. One key (Skv = 1) runs no kernel, forward or backward: its softmax weight is p = exp(score − score), 1
+or NaN for a non-finite score, so o = p·v and lse = the score, and the gradients follow in a few lines on the host.
 """
 
 from __future__ import annotations
@@ -252,10 +252,14 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     B, Hq, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
-    if Skv == 1:  # one key: its softmax weight is 1, so o = v and lse = its score (see the module docstring)
+    if Skv == 1:
+        # One key: its softmax weight p = exp(score − score) is 1, or NaN for a non-finite score (as PyTorch's
+        # softmax gives), so o = p·v and lse = the score (see the module docstring). Plain o = v was finite where
+        # PyTorch's is NaN: found on the H200 by the bad-input matrix (a NaN in q).
         kf = k.float().repeat_interleave(Hq // Hk, 1)
-        o = v.repeat_interleave(Hq // Hk, 1).expand(B, Hq, S, D).contiguous()
-        return o, (q.float() * kf).sum(-1) * scale
+        score = (q.float() * kf).sum(-1, keepdim=True) * scale
+        o = (torch.exp(score - score) * v.float().repeat_interleave(Hq // Hk, 1)).to(q.dtype)
+        return o.expand(B, Hq, S, D).contiguous(), score.squeeze(-1)
     q, k, v = (_prepare(t) for t in (q, k, v))
     causal = causal and S > 1  # one query, one key: nothing to mask
     if scale < 0:  # the kernel takes row maxima before scaling: give it (−q, −scale), the same scores
