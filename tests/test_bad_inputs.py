@@ -151,6 +151,24 @@ def test_all_targets_ignored(op, reduction, backend, device):
     run_case(op, backend, Fixed(torch.float32, ignored=1.0, reduction=reduction), device)
 
 
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_one_class_loss_is_exactly_zero(op, smoothing, backend, device):
+    """With one class, log-softmax is exactly 0 and so is PyTorch's loss, however large the logits; computed as
+    lse − (1−ε)·x_t − ε·mean(x) it was an ulp of |x| instead (found on the H200 by the fuzz tests)."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(33, 16, generator=g) * 1e5).to(device)
+    w = torch.randn(1, 16, generator=g).to(device)
+    target = torch.zeros(33, dtype=torch.long, device=device)
+    with hkernels.use_backend(backend):
+        if op == "cross_entropy":
+            loss = hkernels.cross_entropy(h @ w.t(), target, reduction="none", label_smoothing=smoothing)
+        else:
+            loss = hkernels.fused_linear_cross_entropy(h, w, target, reduction="none", label_smoothing=smoothing)
+    assert torch.equal(loss, torch.zeros_like(loss)), f"{op} on {backend}: {loss.abs().max().item()}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 16 GB free: a tensor of more than 2^31 elements")
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "swiglu", "add_rms_norm", "cross_entropy"])

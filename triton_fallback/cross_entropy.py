@@ -1,7 +1,7 @@
 """Cross-entropy over a vocabulary in hand-written Triton (the twin of ``hkernels/ops/cross_entropy.py``).
 
 Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
-    lse = log Σ_j exp(x_j),  loss = lse − (1−ε)·x_t − (ε/V)·Σ_j x_j
+    lse = log Σ_j exp(x_j),  loss = (1−ε)·(lse − x_t) + ε·(lse − (1/V)·Σ_j x_j)
     ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
 A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
 
@@ -70,7 +70,8 @@ def _cross_entropy_fwd_kernel(
         else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
         # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
-        loss = lse - (1.0 - smoothing) * x_t - tl.where(smoothing != 0.0, smoothing / V * x_sum, 0.0)
+        # Differences before scaling, as PyTorch's: lse − x_t cancels exactly where it should (one logit: 0)
+        loss = (1.0 - smoothing) * (lse - x_t) + tl.where(smoothing != 0.0, smoothing * (lse - x_sum / V), 0.0)
         loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + row64, loss)
         if HAS_GRAD:

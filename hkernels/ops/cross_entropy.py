@@ -1,7 +1,7 @@
 """Cross-entropy over a vocabulary in Helion (the twin of ``triton_fallback/cross_entropy.py``).
 
 Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
-    lse = log Σ_j exp(x_j),  loss = lse − (1−ε)·x_t − (ε/V)·Σ_j x_j
+    lse = log Σ_j exp(x_j),  loss = (1−ε)·(lse − x_t) + ε·(lse − (1/V)·Σ_j x_j)
     ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
 A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
 
@@ -54,8 +54,11 @@ def _cross_entropy_fwd(
         lse = row_max + torch.log(row_sum)
         # Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it 0·(-inf) = NaN
         # where PyTorch's loss is finite or +inf (found by the fuzz tests).
+        # Differences before scaling, as PyTorch's (1−ε)·(−log p_t) + ε·mean(−log p): lse − x_t cancels exactly where
+        # it should (one logit: 0), where lse − (1−ε)·x_t − ε·mean(x) left an error of an ulp of |x| (found on the
+        # H200 by the fuzz tests: large logits, V = 1).
         smoothed = (hl.zeros([tile_t], dtype=torch.float32) + smoothing) != 0.0
-        row_loss = lse - (1.0 - smoothing) * x_t - torch.where(smoothed, smoothing / v * x_sum, 0.0)
+        row_loss = (1.0 - smoothing) * (lse - x_t) + torch.where(smoothed, smoothing * (lse - x_sum / v), 0.0)
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
