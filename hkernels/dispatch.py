@@ -66,6 +66,9 @@ _lock = threading.Lock()
 _import_lock = threading.RLock()
 _module_cache: dict[tuple[str, str], ModuleType | str] = {}
 _helion_failures: dict[tuple[Any, ...], str] = {}
+# The same failures by (op, dtype and last dim of the routed tensor): what selected_backend can see from a public
+# call's arguments (a kernel's own tensors differ: a loss's kernel also takes per-row scales and a gradient buffer).
+_helion_failed_rows: dict[tuple[Any, ...], str] = {}
 _triton_failures: dict[tuple[Any, ...], str] = {}  # under auto where the table chose Triton (see run)
 _warned: set[tuple[str, str]] = set()
 
@@ -220,6 +223,11 @@ def _signature(fn: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
                       for i, t in enumerate(tensors)))
 
 
+def _row_signature(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    t = _routed_tensor(tensors)
+    return (op, t.dtype, t.shape[-1] if t.dim() else 1)
+
+
 def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(a for a in args if isinstance(a, torch.Tensor))
 
@@ -240,7 +248,8 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
     helion_reason = unavailable_reason(op, "helion", tensors)
     triton_ok = unavailable_reason(op, "triton", tensors) is None
     if helion_reason is None:
-        failure = _helion_failures.get(_signature(fn or f"{op}_fwd", tensors))
+        failure = (_helion_failures.get(_signature(fn, tensors)) if fn is not None
+                   else _helion_failed_rows.get(_row_signature(op, tensors)))
         if failure is None:
             measured = _measured_choice(op, tensors) if triton_ok else None
             if measured is not None:
@@ -257,14 +266,17 @@ def _shape_key(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     first tensor when none has 2) and that tensor's other elements. A loss's backward passes its per-row factors
     [T] before the gradient [T, V]: bucketed by [T], it ran on the backend measured for rows of T elements, not the
     forward's (seen on the H200: auto's cross_entropy fwd+bwd 5-13% slower than Triton's at V = 8192-65536)."""
-    t = tensors[0]
-    if t.dim() < 2:
-        for other in tensors:
-            if other.dim() >= 2:
-                t = other
-                break
+    t = _routed_tensor(tensors)
     n = t.shape[-1] if t.dim() else 1
     return (t.numel() // n if n else 0), n
+
+
+def _routed_tensor(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The first tensor of 2 or more dims (the first tensor when none has 2): what a call is bucketed by."""
+    for t in tensors:
+        if t.dim() >= 2:
+            return t
+    return tensors[0]
 
 
 def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, Any]] | None:
@@ -350,6 +362,7 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
             raise
         with _lock:
             _helion_failures[_signature(fn, tensors)] = reason
+            _helion_failed_rows[_row_signature(op, tensors)] = reason
             first = (op, reason) not in _warned
             _warned.add((op, reason))
         if first:

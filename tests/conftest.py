@@ -35,10 +35,12 @@ def _fresh_dispatch_state(monkeypatch: pytest.MonkeyPatch):
     """Each test starts with no remembered Helion failures, no warnings already given, no env override."""
     monkeypatch.delenv("HKERNELS_BACKEND", raising=False)
     dispatch._helion_failures.clear()
+    dispatch._helion_failed_rows.clear()
     dispatch._triton_failures.clear()
     dispatch._warned.clear()
     yield
     dispatch._helion_failures.clear()
+    dispatch._helion_failed_rows.clear()
     dispatch._triton_failures.clear()
     dispatch._warned.clear()
 

@@ -232,6 +232,20 @@ def test_helion_compile_failure_falls_back_to_triton_with_one_warning(op, monkey
     assert not [w for w in seen if issubclass(w.category, hkernels.HKernelsFallbackWarning)]  # remembered
 
 
+@pytest.mark.parametrize("op", ["cross_entropy", "rms_norm"])
+def test_selected_backend_sees_a_remembered_helion_failure(op, monkeypatch, device):
+    """After a Helion failure under auto, selected_backend names Triton and the failure, for a loss too (whose
+    kernel takes more tensors than its public call: the failure was remembered under the kernel's tensors only)."""
+    _break_helion_compiles(monkeypatch)
+    x = torch.randn(6, 40, device=device)
+    args = (x, torch.randint(0, 40, (6,), device=device)) if op == "cross_entropy" else (x,)
+    assert hkernels.selected_backend(op, *args) == "helion"
+    with pytest.warns(hkernels.HKernelsFallbackWarning):
+        getattr(hkernels, op)(*args)
+    sel = hkernels.selected_backend(op, *args)
+    assert sel == "triton" and "failed" in sel.reason, sel.reason
+
+
 @pytest.mark.parametrize("op", sorted(MAKERS))
 def test_helion_compile_failure_under_an_explicit_request_raises(op, monkeypatch, device):
     _break_helion_compiles(monkeypatch)

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+from tests.conftest import ON_GPU
 from triton_fallback import _launch
 
 
@@ -109,3 +110,23 @@ def test_launch_caches_one_compiled_kernel_per_key(device):
     assert len(keys) == 1
     _launch.launch(_axpb_kernel, (4,), x[1:], y[1:], 999, 1.0, 2, BLOCK=256)  # unaligned, n not % 16: a new key
     assert len([k for k in _launch._COMPILED if k[0] is _axpb_kernel]) == 2
+
+
+@triton.jit
+def _scale_kernel(x_ptr, y_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * FACTOR, mask=mask)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the lean path serves compiled kernels only (interpret mode runs plain Triton)")
+def test_launch_keys_constexprs_by_type_and_value(device):
+    """1 and 1.0 (and True) are one dict key but Triton compiles each (an int and a float constant): the lean path
+    must not hand one's kernel to the other."""
+    x = torch.randn(100, device=device)
+    y = torch.empty_like(x)
+    for factor in (1, 1.0, 1, 1.0):
+        _launch.launch(_scale_kernel, (1,), x, y, 100, FACTOR=factor, BLOCK=128)
+        torch.testing.assert_close(y, x)
+    keys = [k for k in _launch._COMPILED if k[0] is _scale_kernel]
+    assert len(keys) == 2, keys

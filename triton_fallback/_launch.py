@@ -8,8 +8,9 @@ compiles, caches and launches), and later calls with the same key call the compi
 
 The key is finer than Triton's own specialisation, so a kernel is never reused where Triton would have compiled
 another: a tensor gives (dtype, 16-byte aligned), an int (== 1, divisible by 16, i32 / i64 / u64 range), a float or
-bool its type, anything else (constexprs passed by position, None, dtypes) its value; keyword arguments
-(constexprs, num_warps, num_stages) give (name, value). ``tests/test_launch.py`` checks the refinement against
+bool its type, anything else (constexprs passed by position, None, dtypes) its type and value; keyword arguments
+(constexprs, num_warps, num_stages) give (name, value, type of value): True, 1 and 1.0 are equal as dict keys but
+may compile to different kernels. ``tests/test_launch.py`` checks the refinement against
 Triton's own ``native_specialize_impl``. Slow path (plain Triton) whenever the fast one cannot be exact: a callable
 grid, a launch hook installed (profilers), interpret mode, a non-constexpr parameter given by keyword. Not in
 the key: Triton's process-wide knobs (debug, instrumentation), which a process is not expected to flip between
@@ -95,7 +96,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     n_params, constexpr_pos, runtime_names, names, defaults = shape
     key = [kernel, torch.cuda.current_device()]
     for i, a in enumerate(args):
-        s = (a if isinstance(a, _VALUES) else _SLOW) if i in constexpr_pos else _spec(a)
+        s = ((a.__class__, a) if isinstance(a, _VALUES) else _SLOW) if i in constexpr_pos else _spec(a)
         if s is _SLOW:
             kernel[grid](*args, **meta)
             return
@@ -104,7 +105,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
         if item[0] in runtime_names or not isinstance(item[1], _VALUES):  # not described by the key
             kernel[grid](*args, **meta)
             return
-        key.append(item)
+        key.append((item, item[1].__class__))  # the type too: True == 1 == 1.0 are one dict key, not one kernel
     key_t = tuple(key)
     hit = _COMPILED.get(key_t)
     if hit is None:
