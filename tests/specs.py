@@ -327,12 +327,13 @@ def _torch_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: 
 
 def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
     """PyTorch's scaled_dot_product_attention in the input dtype (kv heads repeated for grouped queries), on
-    contiguous copies: on the H200 its memory-efficient kernel raised "query is not correctly aligned" for a
-    transposed float32 q and read out of alignment (a CUDA misaligned-address fault) for a float16 column slice;
-    the layout is hkernels' to handle, not the baseline's."""
+    copies with row-major strides: on the H200 its memory-efficient kernel raised "query is not correctly aligned"
+    for a transposed float32 q and read out of alignment (a CUDA misaligned-address fault) for a float16 column
+    slice; the layout is hkernels' to handle, not the baseline's. ``contiguous()`` is not enough: with one query
+    (S = 1) a transposed q counts as contiguous and keeps the odd stride of its size-1 dim, which SDPA checks."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
