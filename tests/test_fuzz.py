@@ -329,3 +329,19 @@ def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
 @given(data=st.data())
 def test_fuzz_against_float64(op, backend, data, device):
     run_case(op, backend, Draw(data, data.draw(st.sampled_from(DTYPES), label="dtype")), device)
+
+
+def test_fuzz_report_records_every_example_and_replays_one(tmp_path, device):
+    """tests/fuzz_report.py (the GPU sessions' tool): a JSON line per example with its choices, replayable."""
+    import json
+
+    from tests import fuzz_report
+
+    out = tmp_path / "softmax.jsonl"
+    counts = fuzz_report.record("softmax", "triton", 2, str(out), device)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert counts == {"examples": 2, "failed": 0} and [r["i"] for r in rows] == [1, 2]
+    assert rows[1]["choices"][0][0] == "dtype"
+    fuzz_report.replay("softmax", "triton", rows[1]["choices"], device)
+    with pytest.raises(ValueError, match="another version"):
+        fuzz_report.replay("softmax", "triton", [*rows[1]["choices"][:1], ["nonsense", 0]], device)
