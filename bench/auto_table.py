@@ -8,12 +8,15 @@ waits for) and writes which backend to use for the shapes around it. The dispatc
 Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
 ``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers
 a call wins, so buckets are written by ascending n, then ascending rows. A later result file replaces an earlier
-one's numbers for the same shape entirely (give the newest last).
+one's numbers for the same shape entirely (give the newest last); files in one folder count as one run. Files of
+``python -m bench.latency`` count too: ``--gpu-time`` rows as GPU time of their mode, host-loop rows as per-call
+latency (session 6's hand-made buckets came from such files; now they can be rebuilt).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -67,11 +70,30 @@ def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A results file's benchmark rows; a ``python -m bench.latency`` file's rows put in the same form: GPU time
+    (``--gpu-time``, CUDA-graph replays) as ``ms`` of its mode, host-loop latency as ``us_call`` of the forward."""
+    rows = []
+    for row in data["rows"]:
+        if "us_per_call" not in row:
+            rows.append(row)
+            continue
+        m, n = (int(v) for v in row["shape"].lower().split("x")[:2])
+        gpu = row.get("timing", "").startswith("GPU")
+        mode = row["timing"].split(" per ")[1].split()[0] if gpu else "fwd"
+        for backend, us in row["us_per_call"].items():
+            if us is not None:
+                rows.append({"op": row["op"], "m": m, "n": n, "k": 0, "mode": mode, "backend": backend,
+                             **({"ms": us / 1000.0} if gpu else {"us_call": us})})
+    return rows
+
+
 def build(paths: list[Path]) -> dict[str, Any]:
-    # (op, rows, n) -> {(bench op, mode): {backend: score}}; later files win per key.
+    # (op, rows, n) -> {(bench op, mode): {backend: score}}; later runs win per key. Files in one folder are one run
+    # (a bench.latency --gpu-time pass per mode writes one file each): their numbers join before they replace.
     cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
-    for path in paths:
-        data = json.loads(path.read_text())
+    for _, run in itertools.groupby(paths, key=lambda p: p.parent):
+        data = {"rows": [row for path in run for row in _rows_of(json.loads(path.read_text()))]}
         fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
         for row in data["rows"]:
             if row["backend"] not in ("helion", "triton") or row.get("error") or row["mode"] == "bwd":
@@ -104,7 +126,8 @@ def build(paths: list[Path]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.auto_table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench results.json files, oldest first")
+    parser.add_argument("results", nargs="+", type=Path,
+                        help="bench results.json and bench.latency JSON files, oldest first (one folder = one run)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the table (JSON)")
     args = parser.parse_args(argv)
     table = build(args.results)
