@@ -8,7 +8,8 @@ waits for) and writes which backend to use for the shapes around it. The dispatc
 Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
 ``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers
 a call wins, so buckets are written by ascending n, then ascending rows. A later result file replaces an earlier
-one's numbers for the same shape entirely (give the newest last); files in one folder count as one run. Files of
+one's numbers for the same shape entirely (give the newest last); consecutive files of one folder count as one run
+(their numbers join, per backend: keep one run per folder). Files of
 ``python -m bench.latency`` count too: ``--gpu-time`` rows as GPU time of their mode, host-loop rows as per-call
 latency (session 6's hand-made buckets came from such files; now they can be rebuilt).
 """
@@ -78,12 +79,12 @@ def _rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
         if "us_per_call" not in row:
             rows.append(row)
             continue
-        m, n = (int(v) for v in row["shape"].lower().split("x")[:2])
+        m, n, k = ([int(v) for v in row["shape"].lower().split("x")] + [0, 0])[:3]  # MxN or MxNxK
         gpu = row.get("timing", "").startswith("GPU")
         mode = row["timing"].split(" per ")[1].split()[0] if gpu else "fwd"
         for backend, us in row["us_per_call"].items():
             if us is not None:
-                rows.append({"op": row["op"], "m": m, "n": n, "k": 0, "mode": mode, "backend": backend,
+                rows.append({"op": row["op"], "m": m, "n": n, "k": k, "mode": mode, "backend": backend,
                              **({"ms": us / 1000.0} if gpu else {"us_call": us})})
     return rows
 
@@ -92,7 +93,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
     # (op, rows, n) -> {(bench op, mode): {backend: score}}; later runs win per key. Files in one folder are one run
     # (a bench.latency --gpu-time pass per mode writes one file each): their numbers join before they replace.
     cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
-    for _, run in itertools.groupby(paths, key=lambda p: p.parent):
+    for _, run in itertools.groupby(paths, key=lambda p: p.resolve().parent):  # consecutive files of one folder
         data = {"rows": [row for path in run for row in _rows_of(json.loads(path.read_text()))]}
         fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
         for row in data["rows"]:

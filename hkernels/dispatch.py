@@ -68,6 +68,9 @@ _module_cache: dict[tuple[str, str], ModuleType | str] = {}
 _helion_failures: dict[tuple[Any, ...], str] = {}
 # The same failures by (op, dtype and last dim of the routed tensor): what selected_backend can see from a public
 # call's arguments (a kernel's own tensors differ: a loss's kernel also takes per-row scales and a gradient buffer).
+# Approximate, for reporting only (routing uses _helion_failures): a failure of one kernel of the op (a backward,
+# a variant with a weight) counts for every call of that dtype and row length; matmul's epilogue backward is keyed
+# by N where the public call is keyed by K.
 _helion_failed_rows: dict[tuple[Any, ...], str] = {}
 _triton_failures: dict[tuple[Any, ...], str] = {}  # under auto where the table chose Triton (see run)
 _warned: set[tuple[str, str]] = set()

@@ -26,3 +26,12 @@ def test_auto_table_reads_latency_files_and_joins_one_folder(tmp_path):
     assert "helion 0.1633, triton 0.1823 ms (cross_entropy fwd + cross_entropy fwd_bwd)" in bucket["measured"]
     assert auto_table.build([run / "fwd.json", run / "fwd_bwd.json", old / "results.json"])["cross_entropy"][0][
         "backend"] == "triton"  # the older run given last wins: order is the caller's
+
+
+def test_auto_table_reads_the_k_of_a_latency_shape(tmp_path):
+    """bench.latency writes matmul shapes as MxNxK: the bucket is keyed by what the dispatcher sees, a [M, K]."""
+    (tmp_path / "mm.json").write_text(json.dumps({"rows": [{
+        "op": "matmul", "shape": "4096x4096x8192", "timing": "GPU µs per fwd (graph replays)",
+        "us_per_call": {"helion": 30.0, "triton": 20.0}}]}))
+    (bucket,) = auto_table.build([tmp_path / "mm.json"])["matmul"]
+    assert bucket["backend"] == "triton" and bucket["measured"].startswith("rows=4096 n=8192")

@@ -156,7 +156,8 @@ def test_all_targets_ignored(op, reduction, backend, device):
 @pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
 def test_one_class_loss_is_exactly_zero(op, smoothing, backend, device):
     """With one class, log-softmax is exactly 0 and so is PyTorch's loss, however large the logits; computed as
-    lse − (1−ε)·x_t − ε·mean(x) it was an ulp of |x| instead (found on the H200 by the fuzz tests)."""
+    lse − (1−ε)·x_t − ε·mean(x) it was an ulp of |x| instead (found on the H200 by the fuzz tests). ε = 0 was exact
+    before too (lse − x_t): it keeps the path without smoothing exact."""
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(33, 16, generator=g) * 1e5).to(device)
     w = torch.randn(1, 16, generator=g).to(device)
