@@ -172,18 +172,37 @@ def test_one_class_loss_is_exactly_zero(op, smoothing, backend, device):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 16 GB free: a tensor of more than 2^31 elements")
 @pytest.mark.parametrize("backend", ["helion", "triton"])
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "swiglu", "add_rms_norm", "cross_entropy"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "add_rms_norm",
+                                "cross_entropy", "matmul", "rope"])
 def test_more_than_2_31_elements(op, backend, device):
     """Offsets past 2³¹ need 64-bit index arithmetic: the last rows must be as right as the first."""
-    n = 4096 if op != "cross_entropy" else 128256
+    n = {"cross_entropy": 128256, "matmul": 32771}.get(op, 4096)
     m = (2**31) // n + 3
+    if op == "rope":  # q [1, 32, S, 128] past 2³¹ elements (S = m); rows are positions
+        q = torch.randn(1, 32, m, 128, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 8, m, 128, device=device, dtype=torch.bfloat16)
+        cos, sin = torch.randn(2, m, 128, device=device).unbind(0)
+        pos = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
+        with hkernels.use_backend(backend):
+            got = torch.cat([t[:, :, pos] for t in hkernels.rope(q, k, cos, sin)], 1)
+        want = torch.cat(reference.rope(q[:, :, pos], k[:, :, pos], cos[pos], sin[pos]), 1)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        return
+    if op == "matmul":  # the output [M, 32771] past 2³¹ elements, K small
+        a = torch.randn(m, 64, device=device, dtype=torch.bfloat16)
+        b = torch.randn(64, n, device=device, dtype=torch.bfloat16) * 0.125
+        rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
+        with hkernels.use_backend(backend):
+            got = hkernels.matmul(a, b)[rows]
+        torch.testing.assert_close(got.float(), reference.matmul(a[rows], b).float(), atol=2e-2, rtol=2e-2)
+        return
     x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
     with hkernels.use_backend(backend):
-        if op in ("swiglu",):
+        if op in ("swiglu", "geglu"):
             up = torch.randn_like(x)
-            got = hkernels.swiglu(x, up)[rows]
-            want = reference.swiglu(x[rows], up[rows])
+            got = getattr(hkernels, op)(x, up)[rows]
+            want = getattr(reference, op)(x[rows], up[rows])
         elif op == "add_rms_norm":
             res = torch.randn_like(x)
             got = hkernels.add_rms_norm(x, res)[0][rows]
