@@ -14,8 +14,9 @@ float32 (natural log). Scores are kept in the base-2 domain in the kernels: log2
 each exponential is one exp2.
 
 Forward (online softmax): a program owns BLOCK_M query rows of one head and streams that head's K and V once,
-BLOCK_N rows at a time, keeping a running row max m, row sum l and the unnormalised output in float32; each new
-block rescales them by exp2(m_old − m_new). FLOPs 4·B·Hq·S·Skv·D (half with the causal mask); bytes: q, o once,
+BLOCK_N rows at a time, keeping a running max m of the raw scores, row sum l and the unnormalised output in
+float32; p = exp2((s − m)·scale·log2 e), and each new block rescales by exp2((m_old − m_new)·scale·log2 e).
+FLOPs 4·B·Hq·S·Skv·D (half with the causal mask); bytes: q, o once,
 K/V once per query block (programs of one head run side by side, so K/V come mostly from L2). Causal blocks are
 split into the blocks left of the diagonal (no mask) and the diagonal blocks (masked); a non-causal Skv that is
 not a multiple of BLOCK_N gets one masked tail block. Query blocks of a causal head run longest first.
@@ -138,7 +139,12 @@ def _attention_fwd_inner(
 ):
     # Streams key blocks lo .. hi (reads each K and V row once). MASK: keep keys j < Skv (and j ≤ i if CAUSAL).
     # A row is never fully masked in the first block it sees (its key 0, or key lo ≤ i on the diagonal, is in),
-    # so m_i is finite after the first block and no −inf − (−inf) appears.
+    # so m_i is finite after the first block.
+    # m_i is the running max of the raw scores (the min for a negative scale), and p = exp2((s − m)·qk_scale):
+    # a row's top score gets p = 1 exactly. The fused form exp2(s·qk_scale − m·qk_scale) gives it exp2 of the
+    # product's rounding error, up to ±1% at scores ~1e5 (|q| ~ 1e5): the bf16 p of the p·v matmul then differs
+    # from the float32 l it is divided by, o = v_top misses by an ulp, and the backward's p·(dp − δ), exactly 0
+    # there, becomes an ulp of dp times |q| in dk (found by the H200 fuzz: dk off by 888 where PyTorch's was 0.05).
     for n0 in range(lo, hi, BLOCK_N):
         k_tile = _load_tile(k, b, hk, n0, Skv, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA)
         s = _dot(q_tile, tl.trans(k_tile), None, DOT)
@@ -147,17 +153,22 @@ def _attention_fwd_inner(
             keep = (cols < Skv)[None, :]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
-            s = tl.where(keep, s * qk_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-        else:
-            # The row max of scale·s is scale·max(s) (scale·min(s) for a negative scale): one FMA per score.
             if SCALE_NONNEG:
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                m_new = tl.maximum(m_i, tl.max(tl.where(keep, s, -float("inf")), 1))
             else:
-                m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+                m_new = tl.minimum(m_i, tl.min(tl.where(keep, s, float("inf")), 1))
+            # masked keys (zero rows past Skv score 0) may overflow exp2: selected away, never multiplied
+            p = tl.where(keep, tl.math.exp2((s - m_new[:, None]) * qk_scale), 0.0)
+        else:
+            # full blocks: no select per score
+            if SCALE_NONNEG:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+            else:
+                m_new = tl.minimum(m_i, tl.min(s, 1))
+            p = tl.math.exp2((s - m_new[:, None]) * qk_scale)
+        # the first block: m_i = ∓inf, whose product with a zero scale is NaN; alpha then rescales zeros
+        d = (m_i - m_new) * qk_scale
+        alpha = tl.math.exp2(tl.where(d == d, d, -float("inf")))
         l_i = l_i * alpha + tl.sum(p, 1)
         v_tile = _load_tile(v, b, hk, n0, Skv, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA)
         acc = _dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], DOT)
@@ -182,7 +193,10 @@ def _attention_fwd_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)
     q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
 
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    if SCALE_NONNEG:  # the running max of the raw scores (the min for a negative scale)
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
@@ -213,7 +227,7 @@ def _attention_fwd_kernel(
         )
     out = (acc / l_i[:, None]).to(q_tile.dtype)  # o has q's dtype
     _store_tile(o, out, b, h, m0, S, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, TMA)
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to the natural log
+    lse = (m_i * qk_scale + tl.math.log2(l_i)) * 0.6931471805599453  # back to the natural log
     tl.store(lse_ptr + bh.to(tl.int64) * S + rows, lse, mask=rows < S)
 
 

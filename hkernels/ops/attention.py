@@ -16,9 +16,11 @@ Work and traffic, N = B·Hq·S·Skv score elements (half of them when causal):
 - forward: 4·N·D flops; one program per block of BM queries keeps its q on chip and streams K/V once (online
   softmax: a running max m and sum l rescale the accumulator when the max grows); writes o and lse once. Programs
   of one head run next to each other (the query-block index varies fastest) so K/V come from L2. Per score the
-  main loop spends one FMA, one exp2, a max and an add beside the matmuls: its full key blocks need no masks, so
-  its two row reductions are written in Triton (Helion's own would select per element), and the row max is
-  taken before scaling (one multiply per row).
+  main loop spends a subtract, a multiply, one exp2, a max and an add beside the matmuls: its full key blocks
+  need no masks, so its two row reductions are written in Triton (Helion's own would select per element). The
+  running max is of the raw scores, p = exp2((s − m)·scale·log2 e): a row's top score gets p = 1 exactly (the
+  fused exp2(s·c − m·c), one FMA, gives it exp2 of a rounding error, ±1% at scores ~1e5, which the backward's
+  exact cancellation at that key turns into an error of |q| times an ulp in dk).
 - backward: two kernels, no S × Skv matrix and no atomics (deterministic):
   ``_attention_bwd_dq`` (one program per query block): δ = rowsum(do ∘ o), stored for the other kernel, then a
   pass over K/V recomputing P and dP: dq. 3 matmuls per score block.
@@ -73,17 +75,21 @@ def _attention_fwd(
         hi = tile_h.begin
         gi = tile_g.begin
         qi = q[bi, hi, gi, tile_m, :]
-        m_i = hl.full([tile_m], float("-inf"), dtype=torch.float32)  # running max of the base-2 scores
-        l_i = hl.zeros([tile_m], dtype=torch.float32)  # running Σ exp2(score − m_i)
+        # m_i: the running max of the raw scores; p = exp2((score − m)·qk_scale) is exactly 1 at a row's top score
+        # (the fused exp2(score·qk_scale − m·qk_scale) gives it exp2 of the product's rounding error, ±1% at scores
+        # ~1e5: o = v_top then misses by an ulp and dk by an ulp of dp times |q|; module docstring)
+        m_i = hl.full([tile_m], float("-inf"), dtype=torch.float32)
+        l_i = hl.zeros([tile_m], dtype=torch.float32)  # running Σ exp2((score − m_i)·qk_scale)
         acc = hl.zeros([tile_m, d], dtype=torch.float32)
         n_full = (tile_m.begin if causal else skv) // block_n * block_n
         for tile_n in hl.tile(0, n_full, block_size=block_n):
             kj = k[bi, hi, tile_n, :]
             sc = hl.dot(qi, kj.T, out_dtype=torch.float32)
-            # max before scaling (qk_scale > 0): one multiply per row, not per score
-            m_new = torch.maximum(m_i, hl.inline_triton(_ROW_MAX, [sc], m_i) * qk_scale)
-            p = torch.exp2(sc * qk_scale - m_new[:, None])
-            alpha = torch.exp2(m_i - m_new)
+            m_new = torch.maximum(m_i, hl.inline_triton(_ROW_MAX, [sc], m_i))
+            p = torch.exp2((sc - m_new[:, None]) * qk_scale)
+            # the accumulators' rescale; NaN only in the first block (m_i = −inf times a zero scale): 0 there
+            dm = (m_i - m_new) * qk_scale
+            alpha = torch.exp2(torch.where(dm == dm, dm, float("-inf")))
             l_i = l_i * alpha + hl.inline_triton(_ROW_SUM, [p], l_i)
             vj = v[bi, hi, tile_n, :]
             acc = hl.dot(p.to(vj.dtype), vj, acc=acc * alpha[:, None])
@@ -91,25 +97,26 @@ def _attention_fwd(
         n_end = tile_m.end if causal else skv
         for tile_c in hl.tile(n_full, n_end, block_size=block_n):
             kc = k[bi, hi, tile_c, :]
-            sc = hl.dot(qi, kc.T, out_dtype=torch.float32) * qk_scale
+            sc = hl.dot(qi, kc.T, out_dtype=torch.float32)
             if causal:
                 sc = torch.where(tile_m.index[:, None] >= tile_c.index[None, :], sc, float("-inf"))
             else:
                 # Keys past Skv: Helion masks the reductions but not the dot, and their score 0 (zero rows) gives
-                # p = exp2(−m) = inf once every real score of a row is below about −88, then inf·0 = NaN in p·v
-                # (found by the fuzz tests with |q| ~ 1e3). Causal blocks never reach past a real query's key.
+                # p = exp2(−m·qk_scale) = inf once every real score of a row is below about −88, then inf·0 = NaN
+                # in p·v (found by the fuzz tests with |q| ~ 1e3). Causal blocks never reach past a real query's key.
                 sc = torch.where(tile_c.index[None, :] < skv, sc, float("-inf"))
             # Helion masks both reductions to the keys that exist. Key n_full <= every query of the tile, so the
             # first block leaves no row's max at −∞ (rows past S, never stored, may turn NaN)
             m_new = torch.maximum(m_i, torch.amax(sc, -1))
-            p = torch.exp2(sc - m_new[:, None])
-            alpha = torch.exp2(m_i - m_new)
+            p = torch.exp2((sc - m_new[:, None]) * qk_scale)
+            dm = (m_i - m_new) * qk_scale
+            alpha = torch.exp2(torch.where(dm == dm, dm, float("-inf")))
             l_i = l_i * alpha + torch.sum(p, -1)
             vc = v[bi, hi, tile_c, :]
             acc = hl.dot(p.to(vc.dtype), vc, acc=acc * alpha[:, None])
             m_i = m_new
         o[bi, hi, gi, tile_m, :] = (acc / l_i[:, None]).to(o.dtype)
-        lse[bi, hi, gi, tile_m] = (m_i + torch.log2(l_i)) * LN2
+        lse[bi, hi, gi, tile_m] = (m_i * qk_scale + torch.log2(l_i)) * LN2
 
 
 # Backward, with p_ij = exp2(qk_scale·q_i·k_j − lse_i·log2 e) = P_ij (the forward's softmax, recomputed):
