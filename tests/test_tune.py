@@ -131,19 +131,22 @@ class _FakeKernel:
         return self.bound
 
 
-def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float | None):
+def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float | None, renamed: bool = False):
     import contextlib
 
     import helion
 
     from hkernels.ops import _helion
+    from hkernels.ops.add_rms_norm import _Renamed
 
     kernel = _FakeKernel(tuned_ms)
     x = torch.randn(4, 64)
+    # add_rms_norm runs rms_norm's kernels under its own names: the tune command must reach their settings too
+    launched = _Renamed(kernel, "_fake_fwd") if renamed else kernel
 
     @contextlib.contextmanager
     def record():
-        yield [(kernel, (x,), 64)]
+        yield [(launched, (x,), 64)]
 
     class Case:
         name, op = "fake 4x64 bfloat16", "fake"
@@ -172,3 +175,10 @@ def test_tune_helion_writes_a_tuned_config_only_where_it_beats_the_shipped_one(t
     (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=None)  # a failed search: reported, table untouched
     assert "search failed" in line and "No working config" in line and "shipped config kept" in line
     assert json.loads(path.read_text())["_fake_fwd"][0]["config"] == {"num_warps": 8}
+
+
+def test_tune_helion_reaches_a_renamed_kernel(tmp_path, monkeypatch):
+    """add_rms_norm's kernels are rms_norm's under other names (``_Renamed``); on the H200 the tune command failed
+    on them (no ``settings``)."""
+    (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=0.8, renamed=True)
+    assert "written" in line

@@ -36,6 +36,12 @@ class _Renamed:
     def bind(self, args: tuple[Any, ...]) -> BoundKernel:
         return self.kernel.bind(args)
 
+    @property
+    def settings(self) -> Any:
+        """The kernel's Helion settings (the tune command seeds and bounds its search through them; found missing
+        on the H200, where ``python -m hkernels.tune --ops add_rms_norm`` failed with an AttributeError)."""
+        return self.kernel.settings
+
 
 _add_rms_norm_fwd = _Renamed(rms_norm._rms_norm_fwd, "_add_rms_norm_fwd")
 _add_rms_norm_bwd = _Renamed(rms_norm._rms_norm_bwd, "_add_rms_norm_bwd")
