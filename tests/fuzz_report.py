@@ -1,6 +1,6 @@
 """The fuzz of tests/test_fuzz.py as a report: every failing example of one op and backend, not only the first.
 
-    python -m tests.fuzz_report record OP BACKEND N OUT.jsonl [DEVICE]   # N examples; a JSON line per example
+    python -m tests.fuzz_report record OP BACKEND N OUT.jsonl [DEVICE [SEED]]   # N examples; a JSON line each
     python -m tests.fuzz_report replay OP BACKEND 'CHOICES' [DEVICE]      # one recorded example again
 
 pytest stops a hypothesis test at its first failure and then shrinks it, and on the GPU a CUDA fault ends the
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from tests.test_fuzz import DTYPES, Draw, run_case
@@ -49,12 +50,14 @@ class _Replay:
         return getattr(torch, v[6:]) if isinstance(v, str) and v.startswith("torch.") else v
 
 
-def record(op: str, backend: str, n: int, out: str, device: torch.device) -> dict[str, int]:
+def record(op: str, backend: str, n: int, out: str, device: torch.device, seed: int | None = None) -> dict[str, int]:
+    """Without ``seed`` the examples are hypothesis' derandomized ones: the same N inputs on every run (of one
+    hypothesis version), as in the test; a seed draws another N."""
     counts = {"examples": 0, "failed": 0}
     t0 = time.time()
     with open(out, "w", buffering=1) as log:
 
-        @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+        @settings(max_examples=n, derandomize=seed is None, database=None, deadline=None,
                   suppress_health_check=list(HealthCheck), phases=[Phase.generate])
         @given(data=st.data())
         def fuzz(data: Any) -> None:
@@ -74,6 +77,8 @@ def record(op: str, backend: str, n: int, out: str, device: torch.device) -> dic
             finally:
                 log.write(json.dumps({**row, "choices": logged.choices, "t": round(time.time() - t0, 1)}) + "\n")
 
+        if seed is not None:
+            fuzz = hypothesis_seed(seed)(fuzz)
         try:
             fuzz()
         except Exception as e:
@@ -90,7 +95,8 @@ def main(argv: list[str]) -> None:
     mode, op, backend = argv[:3]
     if mode == "record":
         device = torch.device(argv[5] if len(argv) > 5 else "cuda")
-        print(op, backend, record(op, backend, int(argv[3]), argv[4], device))
+        seed = int(argv[6]) if len(argv) > 6 else None
+        print(op, backend, record(op, backend, int(argv[3]), argv[4], device, seed))
     elif mode == "replay":
         replay(op, backend, json.loads(argv[3]), torch.device(argv[4] if len(argv) > 4 else "cuda"))
         print("passed:", op, backend)

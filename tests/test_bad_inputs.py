@@ -413,8 +413,9 @@ def test_ten_thousand_calls_leave_memory_flat(op, backend, device):
     calls(2000)  # compiled, cached, allocator warm
     gpu, host = torch.cuda.memory_allocated(device), _rss_bytes()
     calls(8000)
-    # No growth. Not equality: on the H200 (session 8) geglu on triton ended 512 KiB *below* its checkpoint, one
-    # [64, 4096] bf16 tensor alive at the checkpoint and freed later, allocated outside the op's calls
+    # No growth. Not equality: on the H200 (session 8, run A) geglu on triton ended 512 KiB *below* its checkpoint
+    # (one [64, 4096] bf16 tensor alive at the checkpoint, freed during the next 8,000 calls; not seen again in
+    # four repeats with the allocator's history recorded, which would have named the tensor's allocating stack)
     after = torch.cuda.memory_allocated(device)
     assert after <= gpu, f"{op} on {backend}: GPU memory grew by {after - gpu} bytes over 8,000 calls"
     grew = _rss_bytes() - host

@@ -101,6 +101,14 @@ LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_li
 LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True}}
 
 
+def _assert_unchanged(op: str, phase: str, inputs: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    """No op writes into its inputs. (On the H200, session 8, this test once failed with the reference computed
+    on logits that held the cross-entropy's fused gradient: the inputs were read back after the compiled call, so
+    that failure could not say which of the two wrote where; now each phase is checked.)"""
+    for i, (x, x0) in enumerate(zip(inputs, before, strict=True)):
+        assert torch.equal(x.detach(), x0), f"{op}: input {i} changed by the compiled {phase} call"
+
+
 def _check_llm(op: str, backend: str, compile_backend: str, device: torch.device) -> None:
     torch._dynamo.reset()
     inputs, leaves = _llm_inputs(op, device)
@@ -111,10 +119,13 @@ def _check_llm(op: str, backend: str, compile_backend: str, device: torch.device
         return _llm_sum(getattr(hkernels, op)(*args, **kwargs))
 
     compiled = torch.compile(f, fullgraph=True, backend=compile_backend)
+    before = [x.detach().clone() for x in inputs]
     with hkernels.use_backend(backend):
         out = compiled(*inputs)
+        _assert_unchanged(op, "forward", inputs, before)
         grads = torch.autograd.grad(out, leaves)
-    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+        _assert_unchanged(op, "backward", inputs, before)
+    ref_inputs = [x0.clone().requires_grad_(x.requires_grad) for x, x0 in zip(inputs, before, strict=True)]
     ref = _llm_sum(getattr(reference, op)(*ref_inputs, **kwargs))
     ref_grads = torch.autograd.grad(ref, [x for x in ref_inputs if x.requires_grad])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

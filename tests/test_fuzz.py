@@ -9,7 +9,8 @@ Each example draws sizes that include 0, 1, primes and rows longer than a block,
     within the suite's tolerance of the float64 reference (tests/specs.py: a small multiple of PyTorch's own
     error);
   - gradients: non-finite exactly where PyTorch's are, finite and within tolerance elsewhere (a NaN row must not
-    leak into other rows).
+    leak into other rows);
+  - no input is written: every tensor argument holds what it held before the forward and backward.
 Examples per op and backend: ``HKERNELS_FUZZ_EXAMPLES`` (default 6 on a CPU, where the kernels are interpreted;
 60 on a GPU). Deterministic (derandomized, no example database): a failure reproduces by rerunning the test.
 """
@@ -295,6 +296,12 @@ class Fixed(Draw):
         return t
 
 
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal element for element, NaN where the other is NaN."""
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return torch.equal(nan_a, nan_b) and torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0))
+
+
 def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
     """``op`` on ``backend`` with inputs from ``d``, against float64 and PyTorch's same-dtype computation."""
     dtype = d.dtype
@@ -302,8 +309,11 @@ def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
     kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     inputs = cast_case(tensors64, dtype, device)
     fn = getattr(hkernels, op)
+    before = {k: v.detach().clone() for k, v in (*inputs.items(), *kwargs.items()) if isinstance(v, Tensor)}
     with hkernels.use_backend(backend):
         outs, dgrads, ups = _with_grads(fn, inputs, kwargs, grads, None, d.gen)
+    changed = [k for k, v in (*inputs.items(), *kwargs.items()) if k in before and not _same(v.detach(), before[k])]
+    assert not changed, f"{op} on {backend} wrote into its inputs {changed}"
     ins64 = {k: v.detach().double() for k, v in inputs.items()}
     refs, ref_grads, _ = _with_grads(getattr(reference, op), ins64, kwargs, grads, ups, d.gen)
     bases, base_grads, _ = _with_grads(base_fn or getattr(reference, op), inputs, kwargs, grads, ups, d.gen)
@@ -346,3 +356,9 @@ def test_fuzz_report_records_every_example_and_replays_one(tmp_path, device):
     fuzz_report.replay("softmax", "triton", rows[1]["choices"], device)
     with pytest.raises(ValueError, match="another version"):
         fuzz_report.replay("softmax", "triton", [*rows[1]["choices"][:1], ["nonsense", 0]], device)
+    # a seed draws other inputs than the derandomized ones, the same ones on every run
+    seeded = [tmp_path / f"seeded{i}.jsonl" for i in range(2)]
+    for path in seeded:
+        fuzz_report.record("softmax", "triton", 3, str(path), device, seed=8)
+    choices = [[json.loads(line)["choices"] for line in p.read_text().splitlines()] for p in (out, *seeded)]
+    assert choices[1] == choices[2] and choices[1][1] != choices[0][1]
