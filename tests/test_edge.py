@@ -270,3 +270,25 @@ def test_triton_linear_loss_in_place_x_target(order, device, monkeypatch):
         with hkernels.use_backend("triton"):
             loss = hkernels.fused_linear_cross_entropy(*leaves, target)
         torch.testing.assert_close(loss.double(), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_cross_entropy_after_the_linear_loss_keeps_its_logits(backend, device):
+    """The linear-CE chunk path runs the cross-entropy kernel in place (its gradient written over the chunk's
+    logits); a later cross_entropy call of the same shapes reused that compiled Helion function (a cache keyed by
+    shapes, not by which arguments are one tensor): it wrote the gradient into the caller's logits and left its
+    own gradient unwritten. Seen on the H200 under torch.compile (tests/test_compile.py), where the two ran in one
+    process."""
+    g = torch.Generator().manual_seed(3)
+    target = torch.randint(0, 40, (6,), generator=g).to(device)
+    hidden, weight = (torch.randn(*s, generator=g).to(device).requires_grad_() for s in ((6, 16), (40, 16)))
+    logits = torch.randn(6, 40, generator=g).to(device).requires_grad_()
+    before = logits.detach().clone()
+    with hkernels.use_backend(backend):
+        hkernels.fused_linear_cross_entropy(hidden, weight, target).backward()  # [6, 40] logits, in place
+        loss = hkernels.cross_entropy(logits, target)
+        (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.equal(logits.detach(), before), f"{backend}: cross_entropy wrote into its logits"
+    want = torch.nn.functional.softmax(before.double(), -1)
+    want[torch.arange(6), target] -= 1
+    torch.testing.assert_close(grad.double(), want / 6, rtol=1e-5, atol=1e-6)

@@ -73,10 +73,11 @@ def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
     return helion.Config(**fitted)
 
 
-# Compiled kernels by exact call signature: (kernel, n, then per argument its dtype, device, sizes and strides, or
-# its type and value). Finer than Helion's own binding key (which buckets sizes), so a hit is always the compiled
-# function Helion's bind would have given; it skips bind's per-call work (locks, key building, guards: 50-150 µs
-# per call measured on the H200 host at decode shapes). Bounded: cleared when full.
+# Compiled kernels by exact call signature: (kernel, n, which tensor arguments are one object, then per argument
+# its dtype, device, sizes and strides, or its type and value). Finer than Helion's own binding key (which buckets
+# sizes), so a hit is always the compiled function Helion's bind would have given; it skips bind's per-call work
+# (locks, key building, guards: 50-150 µs per call measured on the H200 host at decode shapes). Bounded: cleared
+# when full.
 _compiled: dict[tuple[Any, ...], Any] = {}
 _COMPILED_MAX = 4096
 
@@ -85,6 +86,18 @@ def _arg_key(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.device, a.shape, a.stride())
     return (type(a), a)
+
+
+def _aliases(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """Which tensor arguments are one object (per tensor, the position of its first occurrence), or None when all
+    are distinct: Helion binds an aliased call apart (its code may read and write through one pointer), so the
+    key must tell them apart too. Found on the H200: the linear-CE chunk path runs the cross-entropy kernel in
+    place (grad is logits); a later cross_entropy call with a separate gradient buffer of the same shapes reused
+    that compiled function, wrote the gradient into the caller's logits and left its own gradient unwritten."""
+    ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
+    if len(set(ids)) == len(ids):
+        return None
+    return tuple(ids.index(i) for i in ids)
 
 
 # While the tune command records (see record()): every Helion launch of the op it runs, as (kernel, args, n).
@@ -106,7 +119,7 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it."""
     if _recording is not None:
         _recording.append((kernel, args, n))
-    key: tuple[Any, ...] | None = (kernel, n, *[_arg_key(a) for a in args])
+    key: tuple[Any, ...] | None = (kernel, n, _aliases(args), *[_arg_key(a) for a in args])
     try:
         fn = _compiled.get(key)
     except TypeError:  # an unhashable argument: no fast path for this call
