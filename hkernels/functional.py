@@ -232,6 +232,12 @@ def _layer_norm_bwd(
         db = torch.zeros_like(bias) if bias is not None else _placeholder(x)
         return x.new_zeros(x.shape), dw, db
     dx, dw, db = dispatch.run("layer_norm", "layer_norm_bwd", backend, _rows(dy), _rows(x), weight, bias, mean, rstd)
+    if x.shape[-1] == 1:
+        # Rows of one element: x̂ = 0 and dx = rstd·(w·dy − mean(w·dy)) is exactly 0 (NaN where an input is not
+        # finite). The kernels' GPU code fuses w·dy into the subtraction of its own rounded mean, and rstd = 1/√eps
+        # scales that rounding: 3.6e-5 in float32 on the H200 (found by the fuzz, session 8). Written out here.
+        wdy = dy.float() if weight is None else dy.float() * weight.float()
+        dx = ((wdy - wdy) + (x.float() - x.float())).to(dx.dtype).reshape(dx.shape)
     return dx, dw if dw is not None else _placeholder(x), db if db is not None else _placeholder(x)
 
 

@@ -386,6 +386,11 @@ CASES_LLM += [
     _attn_case("mqa_causal", 1, 4, 1, 20, 20, 16, causal=True),
     _attn_case("d128_transposed", 1, 2, 2, 33, 33, 128, transposed=True, causal=True),
     _attn_case("scale", 1, 2, 1, 10, 17, 32, scale=0.3),
+    # zero and negative scales (a zero scale gave Helion NaN in its masked blocks for one commit: -inf * 0); not a
+    # negative causal one: PyTorch's CPU SDPA, the baseline, returns NaN gradients for it in bfloat16
+    _attn_case("scale_zero", 1, 2, 1, 10, 17, 32, scale=0.0),
+    _attn_case("scale_zero_causal", 1, 2, 1, 9, 9, 16, causal=True, scale=0.0),
+    _attn_case("scale_negative", 1, 2, 1, 10, 17, 32, scale=-0.3),
     _attn_case("llama_causal", 2, 32, 8, 1000, 1000, 128, causal=True, gpu_only=True),
     _attn_case("long_kv", 1, 8, 8, 128, 4099, 64, gpu_only=True),
 ]

@@ -292,3 +292,23 @@ def test_cross_entropy_after_the_linear_loss_keeps_its_logits(backend, device):
     want = torch.nn.functional.softmax(before.double(), -1)
     want[torch.arange(6), target] -= 1
     torch.testing.assert_close(grad.double(), want / 6, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_layer_norm_of_one_element_rows_has_zero_input_gradient(backend, device):
+    """N = 1: x̂ = 0, so dx is exactly 0 (NaN in a row whose x is not finite). On the H200 both kernels gave 3.6e-5
+    in float32 (w·dy fused into the subtraction of its rounded mean, times rstd = 1/√eps); the CPU interpreter never
+    fuses, so only a GPU run can fail this."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 1, generator=g)
+    x[3, 0] = float("nan")
+    x = x.to(device).requires_grad_()
+    w, b = (torch.randn(1, generator=g).to(device).requires_grad_() for _ in range(2))
+    dy = torch.randn(5, 1, generator=g).to(device)
+    with hkernels.use_backend(backend):
+        dx, _, db = torch.autograd.grad(hkernels.layer_norm(x, w, b), (x, w, b), dy)  # dw: NaN from row 3
+    finite = torch.ones(5, dtype=torch.bool, device=device)
+    finite[3] = False
+    assert torch.equal(dx[finite], torch.zeros_like(dx[finite])), f"{backend}: dx {dx[finite].tolist()}"
+    assert torch.isnan(dx[3]).all()
+    torch.testing.assert_close(db, dy.sum(0))

@@ -10,8 +10,8 @@ Backward, with delta_i = Σ_d do_id·o_id (= Σ_j p_ij dp_ij):
 
 Shapes: q [B, Hq, S, D]; k, v [B, Hk, Skv, D]; any strides with unit stride along D (transposed views of
 [B, S, H, D] projections are read in place); D in 16, 32, 64, 128. Out: o [B, Hq, S, D] contiguous, lse [B, Hq, S]
-float32 (natural log). Scores are kept in the base-2 domain in the kernels: log2(e) is folded into the scale, so
-each exponential is one exp2.
+float32 (natural log). The kernels exponentiate in base 2, log2(e) folded into the scale, so each exponential is
+one exp2 (the forward's running max is of the raw scores q·kᵀ; see below).
 
 Forward (online softmax): a program owns BLOCK_M query rows of one head and streams that head's K and V once,
 BLOCK_N rows at a time, keeping a running max m of the raw scores, row sum l and the unnormalised output in

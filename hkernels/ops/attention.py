@@ -9,8 +9,9 @@ Shapes: q, do: [B, Hq, S, D]; k, v: [B, Hk, Skv, D] with Hq = G·Hk (query head 
 any strides with unit stride along D (transposed views of [B, S, H, D] projections are read in place); D is
 specialised. The kernels see q-like tensors as [B, Hk, G, S, D] views, so a program's key/value head is its own
 index, not a division. Causal masking is for S = Skv (the diagonal block of a tile is masked, blocks left of it
-are not). Softmax runs in base 2 (exp2 of scores pre-multiplied by log2 e), float32 throughout; P and dS are rounded
-to the input dtype for their matmuls, as every flash kernel does.
+are not). Softmax runs in base 2 (log2 e folded into the scale: P = exp2((S' − m)·scale·log2 e) with S' = q kᵀ and m
+its running row max), float32 throughout; P and dS are rounded to the input dtype for their matmuls, as every flash
+kernel does.
 
 Work and traffic, N = B·Hq·S·Skv score elements (half of them when causal):
 - forward: 4·N·D flops; one program per block of BM queries keeps its q on chip and streams K/V once (online
@@ -61,7 +62,7 @@ _ROW_SUM = "tl.sum({0}, 1)"
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, causal: hl.constexpr
 ) -> None:
-    # q, o: [B, Hk, G, S, D]; k, v: [B, Hk, Skv, D]; lse: [B, Hk, G, S] float32 (natural log). qk_scale > 0.
+    # q, o: [B, Hk, G, S, D]; k, v: [B, Hk, Skv, D]; lse: [B, Hk, G, S] float32 (natural log). qk_scale ≥ 0.
     # A program: BM queries of one head; reads its q block once and K/V once (blocks of BN keys), writes its o block
     # and lse once. The main loop walks full key blocks only: those left of the program's first query when causal,
     # else all but a partial last block. The second loop, with Helion's masks, takes the rest: the diagonal block
@@ -98,17 +99,19 @@ def _attention_fwd(
         for tile_c in hl.tile(n_full, n_end, block_size=block_n):
             kc = k[bi, hi, tile_c, :]
             sc = hl.dot(qi, kc.T, out_dtype=torch.float32)
-            if causal:
-                sc = torch.where(tile_m.index[:, None] >= tile_c.index[None, :], sc, float("-inf"))
+            if causal:  # noqa: SIM108 (a constexpr branch: Helion compiles one side)
+                keep = tile_m.index[:, None] >= tile_c.index[None, :]
             else:
                 # Keys past Skv: Helion masks the reductions but not the dot, and their score 0 (zero rows) gives
                 # p = exp2(−m·qk_scale) = inf once every real score of a row is below about −88, then inf·0 = NaN
                 # in p·v (found by the fuzz tests with |q| ~ 1e3). Causal blocks never reach past a real query's key.
-                sc = torch.where(tile_c.index[None, :] < skv, sc, float("-inf"))
+                keep = tile_c.index[None, :] < skv
+            sc = torch.where(keep, sc, float("-inf"))
             # Helion masks both reductions to the keys that exist. Key n_full <= every query of the tile, so the
             # first block leaves no row's max at −∞ (rows past S, never stored, may turn NaN)
             m_new = torch.maximum(m_i, torch.amax(sc, -1))
-            p = torch.exp2((sc - m_new[:, None]) * qk_scale)
+            # p selected, not left to exp2(−inf): with a zero scale (−inf)·0 is NaN
+            p = torch.where(keep, torch.exp2((sc - m_new[:, None]) * qk_scale), 0.0)
             dm = (m_i - m_new) * qk_scale
             alpha = torch.exp2(torch.where(dm == dm, dm, float("-inf")))
             l_i = l_i * alpha + torch.sum(p, -1)
