@@ -281,6 +281,7 @@ CASES_LLM: list[Case] = [
     _rope_case("batch_tables", 2, 2, 1, 5, 64, batch_tables=True),
     _rope_case("transposed", 2, 4, 2, 9, 128, transposed=True),
     _rope_case("d2", 1, 2, 2, 3, 2),
+    _rope_case("d2_one_token", 1, 1, 1, 1, 2),  # every size 1 too: Helion's code for it did not compile on the H200
     _rope_case("llama_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
     _rope_case("llama_70b_odd", 1, 64, 8, 1000, 128, gpu_only=True),
     *[

@@ -135,6 +135,11 @@ def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool
     half = D // 2
     q5, k5, qo5, ko5 = (t.unflatten(-1, (2, half)) for t in (x_q, x_k, qo, ko))
     c4, s4 = (t.contiguous().unflatten(-1, (2, half)).expand(B, S, 2, half) for t in (cos, sin))
+    if half == 1:
+        # Head dim 2: Helion 1.5.0's code for halves of one element does not compile when Triton also specialises
+        # every other size to 1 (it stores a [1, 1, 1, 1] block reshaped to a scalar; seen on the H200). Each
+        # half is seen as two lanes over one element (stride 0): they load it twice and store one value twice.
+        q5, k5, qo5, ko5, c4, s4 = (t.expand(*t.shape[:-1], 2) for t in (q5, k5, qo5, ko5, c4, s4))
     if S < B:
         # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two
         # swap roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout).
