@@ -338,6 +338,14 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scal
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    # Scales <= 0 are computed as the same scores, exactly, with a positive one: (-q)·k·|scale|, and (0·q)·k·1
+    # (autograd carries the factor to dq). SDPA's own gradients for them are unusable as a bound: NaN on a CPU for a
+    # negative causal case in bfloat16, and "error 0" on the H200 for 0 and -0.3 (the bound reads NaN as 0), which
+    # failed hkernels' ordinary bf16 rounding there.
+    if scale is not None and scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        q, scale = q * 0.0, 1.0
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
@@ -387,11 +395,11 @@ CASES_LLM += [
     _attn_case("mqa_causal", 1, 4, 1, 20, 20, 16, causal=True),
     _attn_case("d128_transposed", 1, 2, 2, 33, 33, 128, transposed=True, causal=True),
     _attn_case("scale", 1, 2, 1, 10, 17, 32, scale=0.3),
-    # zero and negative scales (a zero scale gave Helion NaN in its masked blocks for one commit: -inf * 0); not a
-    # negative causal one: PyTorch's CPU SDPA, the baseline, returns NaN gradients for it in bfloat16
+    # zero and negative scales (a zero scale gave Helion NaN in its masked blocks for one commit: -inf * 0)
     _attn_case("scale_zero", 1, 2, 1, 10, 17, 32, scale=0.0),
     _attn_case("scale_zero_causal", 1, 2, 1, 9, 9, 16, causal=True, scale=0.0),
     _attn_case("scale_negative", 1, 2, 1, 10, 17, 32, scale=-0.3),
+    _attn_case("scale_negative_causal", 1, 2, 1, 9, 9, 16, causal=True, scale=-0.3),
     _attn_case("llama_causal", 2, 32, 8, 1000, 1000, 128, causal=True, gpu_only=True),
     _attn_case("long_kv", 1, 8, 8, 128, 4099, 64, gpu_only=True),
 ]

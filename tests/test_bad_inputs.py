@@ -221,23 +221,26 @@ def test_more_than_2_31_elements(op, backend, device):
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 def test_attention_more_than_2_31_elements(backend, device):
     """q, o and their gradients past 2³¹ elements through the batch ([4097, 32, 128, 128]; one key/value head keeps
-    k and v small): the last batch's queries, outputs and dq must be as right as the first's."""
+    k and v small). Each batch is computed on its own, in the same order, whatever B is: so the first and last
+    batches must equal, bit for bit, the same backend's answer for those batches alone (32-bit offsets there). A
+    float64 bound is the other tests' job; here it would only measure bf16 rounding."""
     b = (2**31) // (32 * 128 * 128) + 1
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, 32, 128, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = torch.randn(2, b, 1, 128, 128, device=device, dtype=torch.bfloat16, generator=g).unbind(0)
-    k, v = k.requires_grad_(), v.requires_grad_()
+    k, v = (t.requires_grad_() for t in torch.randn(2, b, 1, 128, 128, device=device, dtype=torch.bfloat16,
+                                                    generator=g).unbind(0))
     do = torch.randn(b, 32, 128, 128, device=device, dtype=torch.bfloat16, generator=g)
+    batches = torch.tensor([0, 1, b // 2, b - 2, b - 1], device=device)
     with hkernels.use_backend(backend):
         o = hkernels.attention(q, k, v, causal=True)
-        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    batches = torch.tensor([0, 1, b // 2, b - 2, b - 1], device=device)
-    qs, ks, vs = (t[batches].detach().requires_grad_() for t in (q, k, v))
-    want = reference.attention(qs, ks, vs, causal=True)
-    grads = torch.autograd.grad(want, (qs, ks, vs), do[batches])
-    for name, got, ref in (("o", o[batches], want), ("dq", dq[batches], grads[0]), ("dk", dk[batches], grads[1]),
-                           ("dv", dv[batches], grads[2])):
-        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+        big = (o, *torch.autograd.grad(o, (q, k, v), do))
+        small_in = [t[batches].detach().requires_grad_() for t in (q, k, v)]
+        small_o = hkernels.attention(*small_in, causal=True)
+        small = (small_o, *torch.autograd.grad(small_o, small_in, do[batches]))
+    for name, got, want in zip(("o", "dq", "dk", "dv"), big, small, strict=True):
+        got = got[batches]
+        off = (got.float() - want.float()).abs().max().item()
+        assert torch.equal(got, want), f"{name}: {off} off at batches {batches.tolist()} (of {b})"
 
 
 # ------------------------------------------------------------------------------------------ faults, threads
