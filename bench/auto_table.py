@@ -28,6 +28,14 @@ from bench.ops import HEAD_DIM
 # Benchmark rows that are variants of one op: they share the op's buckets (times are summed).
 _OP_OF = {"attention_causal": "attention", "matmul_gelu": "matmul"}
 LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare per-call latency
+# ... and at or below this many elements (rope at 64 tokens is 2048 rows of 128 elements per head: its GPU time is a
+# few µs, while Helion's host path took 2x Triton's there on the H200, and the GPU-time rule had picked Helion)
+LATENCY_ELEMENTS = 64 * 4096
+
+
+def host_bound(rows: int, n: int) -> bool:
+    """Whether a call of ``rows`` × ``n`` is judged by its per-call latency (host work) rather than GPU time."""
+    return rows <= LATENCY_ROWS or rows * n <= LATENCY_ELEMENTS
 TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
 
 
@@ -101,7 +109,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
                 continue
             op = _OP_OF.get(row["op"], row["op"])
             rows, n = dispatch_shape(op, row["m"], row["n"], row.get("k", 0))
-            score = _score(row, rows <= LATENCY_ROWS)
+            score = _score(row, host_bound(rows, n))
             if score:
                 fresh[(op, rows, n, row["op"], row["mode"])][row["backend"]] = score
         # A later file replaces a shape's whole cell: one run's numbers, one timing method (never fwd from one
@@ -116,7 +124,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
         points = []
         for (o, rows, n), measured in cells.items():
             if o == op:
-                unit = "µs per call" if rows <= LATENCY_ROWS else "ms"
+                unit = "µs per call" if host_bound(rows, n) else "ms"
                 modes = " + ".join(sorted(f"{v} {m}" for v, m in measured))
                 points.append((rows, n, sum(v["helion"] for v in measured.values()),
                                sum(v["triton"] for v in measured.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import hkernels
-from bench.auto_table import LATENCY_ROWS  # at or below: a call is host-bound, compare per-call latency
+from bench.auto_table import host_bound  # a host-bound call: compare per-call latency
 from hkernels import _interpret, configs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -299,8 +299,8 @@ def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
     or at decode-size rows the per-call latency (µs) of calls back to back, which is what a caller waits for."""
     from bench.harness import time_per_call
 
-    rows, _ = case.rows_n()
-    if rows <= LATENCY_ROWS:
+    rows, n = case.rows_n()
+    if host_bound(rows, n):
         timer = lambda fn: time_per_call(fn, device)[0] * 1e3
     else:
         timer = lambda fn: _time_ms(fn, device)
@@ -322,7 +322,7 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
     for op, new_points in measured.items():
         by_shape = {(p[0], p[1]): p for p in kept.get(op, [])}
         for rows, n, t, name in new_points:
-            unit = "µs per call (fwd + fwd_bwd latency)" if rows <= LATENCY_ROWS else "ms (fwd + fwd_bwd)"
+            unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n) else "ms (fwd + fwd_bwd)"
             by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}",
                                    unit]
         kept[op] = sorted(by_shape.values())

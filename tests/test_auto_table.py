@@ -35,3 +35,19 @@ def test_auto_table_reads_the_k_of_a_latency_shape(tmp_path):
         "us_per_call": {"helion": 30.0, "triton": 20.0}}]}))
     (bucket,) = auto_table.build([tmp_path / "mm.json"])["matmul"]
     assert bucket["backend"] == "triton" and bucket["measured"].startswith("rows=4096 n=8192")
+
+
+def test_auto_table_judges_small_rope_calls_by_their_latency(tmp_path):
+    """rope at 64 tokens is 2048 rows of one head each as the dispatcher buckets it, yet a few µs of GPU work: its
+    per-call latency decides (on the H200, Helion's host path took 160 µs there against Triton's 73, while the
+    GPU-time rule had picked Helion). 4096 tokens stay judged by GPU time."""
+    rows = []
+    for m, helion, triton in ((64, (0.004, 160.0), (0.005, 73.0)), (4096, (0.050, 90.0), (0.060, 80.0))):
+        for backend, (ms, us) in (("helion", helion), ("triton", triton)):
+            rows.append({"op": "rope", "m": m, "n": 4096, "mode": "fwd", "backend": backend, "ms": ms, "us_call": us})
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    small, large = auto_table.build([tmp_path / "results.json"])["rope"]
+    assert small["max_rows"] == 64 * 32 and small["backend"] == "triton" and "µs per call" in small["measured"]
+    assert large["max_rows"] is None and large["backend"] == "helion" and " ms " in large["measured"]
+    assert auto_table.host_bound(64, 4096) and auto_table.host_bound(2048, 128)
+    assert not auto_table.host_bound(256, 4096) and not auto_table.host_bound(4096 * 32, 128)

@@ -293,6 +293,22 @@ def test_auto_follows_the_measured_table(user_auto_table, monkeypatch, device):
         assert hkernels.selected_backend("softmax", small) == "helion"
 
 
+def test_auto_routes_each_shape_by_its_bucket_and_rereads_a_new_table(user_auto_table, monkeypatch, device):
+    """auto remembers its route per shape (no table lookup per call): a second shape still gets its own bucket, and
+    a table written later (the tune command's) takes effect for shapes routed before."""
+    user_auto_table('{"softmax": [{"max_rows": 8, "max_n": null, "backend": "triton", "measured": "t"},'
+                    ' {"max_rows": null, "max_n": null, "backend": "helion", "measured": "h"}]}')
+    small, large = _x(device), torch.randn(64, 16, device=device)
+    triton_calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
+    helion_calls = _spy(monkeypatch, "helion", "softmax", "softmax_fwd")
+    for x in (small, small, large, large, small):
+        torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+    assert (len(triton_calls), len(helion_calls)) == (3, 2)
+    user_auto_table('{"softmax": [{"max_rows": null, "max_n": null, "backend": "helion", "measured": "h"}]}')
+    hkernels.softmax(small)
+    assert (len(triton_calls), len(helion_calls)) == (3, 3)
+
+
 def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table, monkeypatch, device):
     """softmax over dim 0 runs on a moved view whose last dim is x.shape[0]: selected_backend and the call both
     bucket by that length, not by x's last dim."""

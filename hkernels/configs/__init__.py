@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,22 @@ def auto_table(arch: str) -> dict[str, tuple[dict[str, Any], ...]]:
     return table
 
 
+_reload_hooks: list[Callable[[], None]] = []
+
+
+def on_reload(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever the tables are re-read (the dispatcher forgets the routes it chose from them)."""
+    _reload_hooks.append(hook)
+
+
 def reload() -> None:
     """Forget the tables read so far (after the tune command wrote new ones in this process)."""
     import sys
 
     helion_table.cache_clear()
     auto_table.cache_clear()
+    for hook in _reload_hooks:
+        hook()
     common = sys.modules.get("triton_fallback._common")
     if common is not None:
         common.clear_memos()
