@@ -123,6 +123,16 @@ def paired(times: dict[str, list[float]], a: str, b: str | tuple[str, ...]) -> f
     return statistics.median(ratios)
 
 
+def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device, args: argparse.Namespace) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    on_gpu = device.type == "cuda"
+    env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
+           "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT")}
+    (out / "latency.json").write_text(json.dumps({"env": env, "rows": results}, indent=1))
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="rms_norm,add_rms_norm,layer_norm,softmax,swiglu,geglu,rope")
@@ -195,11 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{op_name:14s} {row['shape']:>9s} " + " ".join(f"{b} {us[b]:.1f}" for b in backends)
                   + (f" | auto/best {row['auto_vs_best_kernel']:.3f}" if row["auto_vs_best_kernel"] else ""),
                   file=sys.stderr, flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-               "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT")}
-        (args.out / "latency.json").write_text(json.dumps({"env": env, "rows": results}, indent=1))
+            _write(args.out, results, device, args)  # after every row: a time limit keeps what was measured
+    _write(args.out, results, device, args)
     header = f"{'op':14s} {'shape':>9s} " + " ".join(f"{b:>13s}" for b in wanted) + "   best hk / compile  auto/best"
     print(header)
     for row in results:

@@ -5,12 +5,26 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
+from importlib import resources
 
 import pytest
 import torch
 
 import hkernels
-from hkernels import dispatch, reference
+from hkernels import configs, dispatch, reference
+
+
+@pytest.fixture(autouse=True)
+def _no_shipped_auto_table(monkeypatch):
+    """These tests hold the dispatcher's rules, not one GPU's measurements: on the H200 the shipped sm90 table
+    (Triton for decode-size rows, where its host path is shorter) decided what auto ran for their small inputs, and
+    10 of them failed there once that table changed. Hidden here; a test's own user table still counts."""
+    shipped = str(resources.files(configs.__name__).joinpath("auto"))
+    real = configs._read
+    monkeypatch.setattr(configs, "_read", lambda path: {} if str(path).startswith(shipped) else real(path))
+    configs.reload()
+    yield
+    configs.reload()  # read again (lazily, once monkeypatch has put _read back)
 
 
 def _x(device: torch.device, n: int = 16) -> torch.Tensor:
