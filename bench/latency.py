@@ -130,7 +130,9 @@ def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device
     on_gpu = device.type == "cuda"
     env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
            "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT")}
-    (out / "latency.json").write_text(json.dumps({"env": env, "rows": results}, indent=1))
+    tmp = out / "latency.json.tmp"  # then renamed: a run killed mid-write keeps the last whole file
+    tmp.write_text(json.dumps({"env": env, "rows": results}, indent=1))
+    os.replace(tmp, out / "latency.json")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

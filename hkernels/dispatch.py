@@ -319,10 +319,20 @@ def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, s
 # shape seen before skips the table lookup (auto's route took 3.6 µs against 1.9 for a named backend on the
 # development CPU; 2.5 with this key; on the H200's slower host auto was 4-5 µs slower per call than the backend
 # it chose). Everything select() decides on is in the key, except Helion failures, which are keyed
-# by shape and checked apart, and the tables, whose reload (configs.reload) empties this. Only successful
-# selections are kept: a call that raises is retried in full.
+# by shape and checked apart, and the tables, whose reload (configs.reload) empties this (code that replaces
+# what select() reads, e.g. a test patching _bucket, calls _forget_routes). Only successful selections are kept:
+# a call that raises is retried in full.
 _routes: dict[tuple[Any, ...], tuple[str, ModuleType]] = {}
 _MAX_ROUTES = 4096  # auto's keys grow with the row counts a caller uses: past this, start over
+_routes_generation = 0  # bumped by every reload: a route chosen from the old tables is not stored after it
+
+
+def _forget_routes() -> None:
+    """After the tables are re-read (or a test replaced what select() reads): every route is chosen again."""
+    global _routes_generation
+    with _lock:
+        _routes_generation += 1
+        _routes.clear()
 
 
 def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, ModuleType]:
@@ -337,19 +347,22 @@ def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) ->
     found = None if failed else _routes.get(key)
     if found is not None:
         return found
+    generation = _routes_generation
     backend, _ = select(op, request, tensors, fn)
     module = _module(backend, op)
     assert not isinstance(module, str)
     found = (backend, module)
     # A fallback chosen for one failing shape is not kept: other inputs of this key may still run on Helion.
     if not failed:
-        if len(_routes) >= _MAX_ROUTES:
-            _routes.clear()
-        _routes[key] = found
+        with _lock:
+            if generation == _routes_generation:  # no reload while select() read the tables
+                if len(_routes) >= _MAX_ROUTES:
+                    _routes.clear()
+                _routes[key] = found
     return found
 
 
-configs.on_reload(_routes.clear)  # a new table may choose other backends for shapes routed before
+configs.on_reload(_forget_routes)  # a new table may choose other backends for shapes routed before
 
 
 def run(op: str, fn: str, request: str, *args: Any) -> Any:

@@ -300,7 +300,7 @@ def measure_backends(case: _Case, device: torch.device) -> dict[str, float]:
     from bench.harness import time_per_call
 
     rows, n = case.rows_n()
-    if host_bound(rows, n):
+    if host_bound(rows, n, case.op):
         timer = lambda fn: time_per_call(fn, device)[0] * 1e3
     else:
         timer = lambda fn: _time_ms(fn, device)
@@ -322,7 +322,7 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
     for op, new_points in measured.items():
         by_shape = {(p[0], p[1]): p for p in kept.get(op, [])}
         for rows, n, t, name in new_points:
-            unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n) else "ms (fwd + fwd_bwd)"
+            unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n, op) else "ms (fwd + fwd_bwd)"
             by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}",
                                    unit]
         kept[op] = sorted(by_shape.values())

@@ -32,17 +32,19 @@ def device() -> torch.device:
 
 @pytest.fixture(autouse=True)
 def _fresh_dispatch_state(monkeypatch: pytest.MonkeyPatch):
-    """Each test starts with no remembered Helion failures, no warnings already given, no env override."""
+    """Each test starts with no remembered Helion failures, no warnings already given, no routes, no env override."""
     monkeypatch.delenv("HKERNELS_BACKEND", raising=False)
     dispatch._helion_failures.clear()
     dispatch._helion_failed_rows.clear()
     dispatch._triton_failures.clear()
     dispatch._warned.clear()
+    dispatch._forget_routes()  # routes a test chose with a patched table or dispatcher must not outlive it
     yield
     dispatch._helion_failures.clear()
     dispatch._helion_failed_rows.clear()
     dispatch._triton_failures.clear()
     dispatch._warned.clear()
+    dispatch._forget_routes()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -51,3 +51,5 @@ def test_auto_table_judges_small_rope_calls_by_their_latency(tmp_path):
     assert large["max_rows"] is None and large["backend"] == "helion" and " ms " in large["measured"]
     assert auto_table.host_bound(64, 4096) and auto_table.host_bound(2048, 128)
     assert not auto_table.host_bound(256, 4096) and not auto_table.host_bound(4096 * 32, 128)
+    # matmul's rows are M of [M, K]: its N (here a vocabulary) is GPU work the element rule would not see
+    assert auto_table.host_bound(64, 4096, "matmul") and not auto_table.host_bound(128, 2048, "matmul")

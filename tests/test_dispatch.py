@@ -323,6 +323,25 @@ def test_auto_routes_each_shape_by_its_bucket_and_rereads_a_new_table(user_auto_
     assert (len(triton_calls), len(helion_calls)) == (3, 3)
 
 
+def test_a_route_chosen_while_the_tables_reload_is_not_kept(monkeypatch, device):
+    """A reload (another thread re-reading the tables) while a call chooses its route from the old ones: the call
+    runs, but its route is not remembered for the next call."""
+    real = dispatch.select
+
+    def select_during_a_reload(*args, **kwargs):
+        chosen = real(*args, **kwargs)
+        configs.reload()
+        return chosen
+
+    monkeypatch.setattr(dispatch, "select", select_during_a_reload)
+    x = _x(device)
+    torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+    assert not [key for key in dispatch._routes if key[0] == "softmax"]
+    monkeypatch.setattr(dispatch, "select", real)
+    hkernels.softmax(x)
+    assert [key for key in dispatch._routes if key[0] == "softmax"]
+
+
 def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table, monkeypatch, device):
     """softmax over dim 0 runs on a moved view whose last dim is x.shape[0]: selected_backend and the call both
     bucket by that length, not by x's last dim."""
