@@ -217,6 +217,39 @@ def test_more_than_2_31_elements(op, backend, device):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def _linear_loss_rows_check(tokens: int, backend: str, device: torch.device) -> None:
+    """The linear loss over [tokens, 4096] hidden states: the loss and the hidden-state gradient of the first, middle
+    and last rows against the reference on those rows alone (each row's loss and gradient depend on that row and the
+    weight only). The weight's gradient sums over every row and is not checked here."""
+    g = torch.Generator(device=device).manual_seed(0)
+    h = (torch.randn(tokens, 4096, device=device, generator=g) / 64).to(torch.bfloat16).requires_grad_(True)
+    w = torch.randn(256, 4096, device=device, generator=g).to(torch.bfloat16)
+    target = torch.randint(0, 256, (tokens,), device=device, generator=g)
+    rows = torch.tensor(sorted({0, 1, tokens // 2, tokens - 2, tokens - 1}), device=device)
+    with hkernels.use_backend(backend):
+        loss = hkernels.fused_linear_cross_entropy(h, w, target, reduction="none")
+        (dh,) = torch.autograd.grad(loss, h, torch.ones_like(loss))
+    h_rows = h.detach()[rows].requires_grad_(True)
+    want = reference.fused_linear_cross_entropy(h_rows, w, target[rows], reduction="none")
+    (want_dh,) = torch.autograd.grad(want, h_rows, torch.ones_like(want))
+    torch.testing.assert_close(loss[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dh[rows].float(), want_dh.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 20 GB free: hidden states of more than 2^31 elements")
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_linear_loss_more_than_2_31_elements(backend, device):
+    """Long-context training (e.g. 4 × 128k tokens of hidden 4096) gives the linear loss hidden states and their
+    gradient past 2³¹ elements: the last rows must be as right as the first."""
+    _linear_loss_rows_check(2**31 // 4096 + 3, backend, device)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_linear_loss_rows_check_itself(backend, device):
+    """The GPU-only check above at a size any device runs: the rows it compares are the right ones."""
+    _linear_loss_rows_check(37, backend, device)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 30 GB free: tensors of more than 2^31 elements")
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 def test_attention_more_than_2_31_elements(backend, device):
