@@ -31,8 +31,7 @@ LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare pe
 # ... and at or below this many elements (rope at 64 tokens is 2048 rows of 128 elements per head: its GPU time is a
 # few µs, while Helion's host path took 2x Triton's there on the H200, and the GPU-time rule had picked Helion)
 LATENCY_ELEMENTS = 64 * 4096
-
-
+TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
 # Ops whose GPU work is not in (rows, n): matmul's N, the linear loss's vocabulary, attention's keys
 _WORK_BEYOND_ROWS = ("matmul", "fused_linear_cross_entropy", "attention")
 
@@ -41,7 +40,6 @@ def host_bound(rows: int, n: int, op: str = "") -> bool:
     """Whether a call of ``op`` at ``rows`` × ``n`` (as the dispatcher buckets it) is judged by its per-call latency
     (host work) rather than GPU time."""
     return rows <= LATENCY_ROWS or (op not in _WORK_BEYOND_ROWS and rows * n <= LATENCY_ELEMENTS)
-TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
 
 
 def dispatch_shape(op: str, m: int, n: int, k: int) -> tuple[int, int]:
