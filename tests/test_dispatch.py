@@ -342,6 +342,16 @@ def test_a_route_chosen_while_the_tables_reload_is_not_kept(monkeypatch, device)
     assert [key for key in dispatch._routes if key[0] == "softmax"]
 
 
+def test_remembered_routes_stay_bounded(monkeypatch, device):
+    """auto remembers a route per shape, so a caller whose row count changes every call (variable-length batches)
+    would grow the route memory without end: past _MAX_ROUTES it starts over, and every call stays right."""
+    monkeypatch.setattr(dispatch, "_MAX_ROUTES", 5)
+    for rows in range(1, 13):
+        x = torch.randn(rows, 16, device=device)
+        torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+        assert 0 < len(dispatch._routes) <= 5
+
+
 def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table, monkeypatch, device):
     """softmax over dim 0 runs on a moved view whose last dim is x.shape[0]: selected_backend and the call both
     bucket by that length, not by x's last dim."""
