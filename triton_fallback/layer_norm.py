@@ -25,6 +25,7 @@ from triton_fallback._common import (
     row_settings,
 )
 from triton_fallback._launch import launch
+from triton_fallback._partials import sum_partials
 
 Tensor = torch.Tensor
 
@@ -266,6 +267,6 @@ def layer_norm_bwd(
             dy.stride(0), x.stride(0), dx.stride(0),
             **flags, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw = sum_partials(dw_part, weight) if weight is not None else None
+    db = sum_partials(db_part, bias) if bias is not None else None
     return dx, dw, db

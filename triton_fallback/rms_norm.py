@@ -25,6 +25,7 @@ from triton_fallback._common import (
     row_settings,
 )
 from triton_fallback._launch import launch
+from triton_fallback._partials import sum_partials
 
 Tensor = torch.Tensor
 
@@ -263,5 +264,5 @@ def launch_bwd(
             g, g.stride(0), HAS_DS=ds is not None,
             HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
         )
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    dw = sum_partials(dw_part, weight) if weight is not None else None
     return dx, dw

@@ -15,6 +15,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from hkernels.ops._partials import sum_partials
 
 Tensor = torch.Tensor
 MAX_RESIDENT_FWD = 32768
@@ -217,6 +218,6 @@ def layer_norm_bwd(
         dx, dw_part, db_part = _helion.run(
             _layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N, x.device
         )
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw = sum_partials(dw_part, weight) if weight is not None else None
+    db = sum_partials(db_part, bias) if bias is not None else None
     return dx, dw, db

@@ -22,6 +22,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from hkernels.ops._partials import sum_partials
 
 Tensor = torch.Tensor
 MAX_RESIDENT_BWD = 8192
@@ -160,4 +161,4 @@ def run_bwd(
         block_n = _helion.config_for(looped.name, N, x.device, x.dtype).block_sizes[0]
         rows = _helion.rows_per_group(M, N, block_n, x.device)
         dx, dw_part = _helion.run(looped, (dy, ds, x, weight, rstd, c, rows), N, x.device)
-    return dx, (dw_part.sum(0).to(weight.dtype) if weight is not None else None)
+    return dx, (sum_partials(dw_part, weight) if weight is not None else None)

@@ -1,0 +1,42 @@
+"""The last step of a parameter gradient in Helion (the twin of ``triton_fallback/_partials.py``).
+
+The norms' backward kernels leave dw (and layer_norm's db) as a [P, N] float32 partial, one row per program or row
+group; the parameter's gradient is the sum over P, in the parameter's dtype. ``partial.sum(0).to(dtype)`` does it
+in two kernels for a 16-bit parameter (a float32 sum, then a cast); here it is one: each program sums a column
+block over all P rows in float32, in a fixed order (so the result is bitwise the same run to run), and writes it
+once in the parameter's dtype.
+
+Bytes: reads P·N·4, writes N·b (b: the parameter's element size).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from hkernels.ops import _helion
+
+Tensor = torch.Tensor
+
+
+@helion.kernel(static_shapes=False)
+def _sum_partials(part: Tensor, param: Tensor) -> Tensor:
+    # part: [P, N] float32 -> [N] in param's dtype. Reads each column block of every partial row once.
+    p, n = part.size()
+    out = torch.empty([n], dtype=param.dtype, device=part.device)
+    for tile_n in hl.tile(n):
+        acc = hl.zeros([tile_n], dtype=torch.float32)
+        for tile_p in hl.tile(p):
+            acc = acc + torch.sum(part[tile_p, tile_n], dim=0)
+        out[tile_n] = acc.to(out.dtype)
+    return out
+
+
+def sum_partials(part: Tensor, param: Tensor) -> Tensor:
+    """part: [P, N] float32 (unit column stride), param: the parameter [N] -> the sum of part over P, [N] in
+    param's dtype (summed in float32)."""
+    P, N = part.shape
+    if N == 0 or P == 0:
+        return torch.zeros(N, dtype=param.dtype, device=part.device)
+    return _helion.run(_sum_partials, (part, param), N, part.device)
