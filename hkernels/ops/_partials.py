@@ -22,14 +22,17 @@ Tensor = torch.Tensor
 
 @helion.kernel(static_shapes=False)
 def _sum_partials(part: Tensor, param: Tensor) -> Tensor:
-    # part: [P, N] float32 -> [N] in param's dtype. Reads each column block of every partial row once.
+    # part: [P, N] float32 -> [N] in param's dtype. Reads each column block of every partial row once; a
+    # [block_p, tile_n] block is accumulated and summed across rows once at the end (a cross-row sum per step
+    # measured no faster than the two-kernel sum on the H200).
     p, n = part.size()
     out = torch.empty([n], dtype=param.dtype, device=part.device)
+    block_p = hl.register_block_size(p)
     for tile_n in hl.tile(n):
-        acc = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_p in hl.tile(p):
-            acc = acc + torch.sum(part[tile_p, tile_n], dim=0)
-        out[tile_n] = acc.to(out.dtype)
+        acc = hl.zeros([block_p, tile_n], dtype=torch.float32)
+        for tile_p in hl.tile(p, block_size=block_p):
+            acc = acc + part[tile_p, tile_n]
+        out[tile_n] = torch.sum(acc, dim=0).to(out.dtype)
     return out
 
 
