@@ -46,6 +46,8 @@ def sum_partials(part: Tensor, param: Tensor) -> Tensor:
     """part: [P, N] float32 (unit column stride), param: the parameter [N] -> the sum of part over P, [N] in
     param's dtype (summed in float32)."""
     P, N = part.shape
+    if P == 1:  # the sum is the row (as in the Helion twin, which cannot take P = 1)
+        return part[0].to(param.dtype)
     out = torch.empty(N, dtype=param.dtype, device=part.device)
     if N == 0:
         return out

@@ -42,4 +42,6 @@ def sum_partials(part: Tensor, param: Tensor) -> Tensor:
     P, N = part.shape
     if N == 0 or P == 0:
         return torch.zeros(N, dtype=param.dtype, device=part.device)
+    if P == 1:  # the sum is the row. (Helion 1.5.0 specialises a size-1 P to a broadcast, and its code then fails.)
+        return part[0].to(param.dtype)
     return _helion.run(_sum_partials, (part, param), N, part.device)
