@@ -8,7 +8,8 @@ The variance is always taken around the mean (never E[x²] − mean², which can
 with Chan's formula, so they are still read only twice.
 
 Bytes for x: [M, N] of b-byte elements: forward reads and writes M·N·b (+ 8M for mean, rstd); backward reads dy
-and x, writes dx (3·M·N·b) and [programs, N] float32 partials of dw and db.
+and x, writes dx (3·M·N·b) and [programs, N] float32 partials of dw and db, each summed and cast by one more
+kernel (``_partials.sum_partials``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ y = x̂·w + b.  Backward:  dx = rstd·(w·dy − mean(w·dy) − x̂·mean(w·d
 
 The variance is taken around the mean: resident rows subtract it in registers; long rows merge per-chunk
 (count, mean, M2) with Chan's formula and are read twice. Bytes for x: [M, N] of b-byte elements: forward reads
-and writes M·N·b (+ 8M); backward reads dy and x, writes dx, plus [programs, N] float32 partials of dw and db.
+and writes M·N·b (+ 8M); backward reads dy and x, writes dx, plus [programs, N] float32 partials of dw and db
+(each summed and cast by ``_partials.sum_partials``).
 """
 
 from __future__ import annotations

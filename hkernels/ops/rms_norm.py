@@ -4,9 +4,10 @@ Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd �
 Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x·rstd.
 
 Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
-and x, writes dx, plus a [programs, N] float32 partial of dw. Row counts are dynamic (one compile serves every
-token count); N is specialised. Block sizes come from ``hkernels/configs`` (see ``_helion.py``); rows longer
-than ``MAX_RESIDENT_BWD`` take a two-step backward, as in the Triton twin.
+and x, writes dx, plus a [programs, N] float32 partial of dw (summed and cast by ``_partials.sum_partials``).
+Row counts are dynamic (one compile serves every token count); N is specialised. Block sizes come from
+``hkernels/configs`` (see ``_helion.py``); rows longer than ``MAX_RESIDENT_BWD`` take a two-step backward, as in
+the Triton twin.
 
 The kernels also serve ``add_rms_norm`` (residual add + RMS norm): the forward takes an optional residual (the
 row normalised is then s = x + residual, rounded to x's dtype and written out) and the backward an optional ds
