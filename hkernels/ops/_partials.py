@@ -1,12 +1,7 @@
-"""The last step of a parameter gradient in Helion (the twin of ``triton_fallback/_partials.py``).
+"""The norms' last backward step in Helion (the twin of ``triton_fallback/_partials.py``, whose docstring says why).
 
-The norms' backward kernels leave dw (and layer_norm's db) as a [P, N] float32 partial, one row per program or row
-group; the parameter's gradient is the sum over P, in the parameter's dtype. ``partial.sum(0).to(dtype)`` does it
-in two kernels for a 16-bit parameter (a float32 sum, then a cast); here it is one: each program sums a column
-block over all P rows in float32, in a fixed order (so the result is bitwise the same run to run), and writes it
-once in the parameter's dtype.
-
-Bytes: reads P·N·4, writes N·b (b: the parameter's element size).
+dw (and layer_norm's db) arrive as [P, N] float32 partials, one row per program or row group; one kernel sums
+them over P in float32, in a fixed order, and writes [N] in the parameter's dtype. Bytes: reads P·N·4, writes N·b.
 """
 
 from __future__ import annotations
