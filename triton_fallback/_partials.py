@@ -46,8 +46,6 @@ def sum_partials(part: Tensor, param: Tensor) -> Tensor:
     """part: [P, N] float32 (unit column stride), param: the parameter [N] -> the sum of part over P, [N] in
     param's dtype (summed in float32)."""
     P, N = part.shape
-    if P == 1:  # the sum is the row (as in the Helion twin, which cannot take P = 1)
-        return part[0].to(param.dtype)
     out = torch.empty(N, dtype=param.dtype, device=part.device)
     if N == 0:
         return out
@@ -56,4 +54,3 @@ def sum_partials(part: Tensor, param: Tensor) -> Tensor:
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out
-
