@@ -309,12 +309,16 @@ def _backward_rows(by_mode, op, copy, itemsize):
 
 
 def _relative(group) -> None:
-    base = {r.backend: r.ms for r in group if r.ms}
-    for r in group:
-        if r.ms and base.get("torch_compile"):
-            r.vs_compile = base["torch_compile"] / r.ms
-        if r.ms and base.get("torch"):
-            r.vs_eager = base["torch"] / r.ms
+    """Each row's speedups over eager, torch.compile and Liger of the same op, shape and mode: in GPU time and in
+    the time from Python."""
+    for field, peer in (("eager", "torch"), ("compile", "torch_compile"), ("liger", "liger")):
+        gpu = {r.backend: r.ms for r in group if r.ms}
+        py = {r.backend: r.ms_eager for r in group if r.ms_eager}
+        for r in group:
+            if r.ms and gpu.get(peer):
+                setattr(r, f"vs_{field}", gpu[peer] / r.ms)
+            if r.ms_eager and py.get(peer):
+                setattr(r, f"vs_{field}_py", py[peer] / r.ms_eager)
 
 
 def _line(row) -> str:
@@ -325,7 +329,7 @@ def _line(row) -> str:
         return f"{what}: {row.error[:100]}"
     rate = f"{row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy)" if row.gbps else f"{row.tflops or 0:.0f} TFLOP/s"
     return (
-        f"{what}: {row.ms:.4f} ms, {row.us_call or 0:.1f} µs/call, {rate}, peak {row.peak_mib or 0:.0f} MiB, "
+        f"{what}: GPU {row.ms:.4f} ms, from Python {row.us_call or 0:.1f} µs/call, {rate}, peak {row.peak_mib or 0:.0f} MiB, "
         f"max err {row.max_err:.1e} (first call {row.first_s or 0:.1f} s, row {row.bench_s or 0:.1f} s)"
     )
 

@@ -104,11 +104,11 @@ def _child(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
     # The backend's modules, imported on their own clock (they import lazily on the first call otherwise): Helion
     # alone takes seconds to import (its autotuner pulls in scikit-learn and TorchInductor), which is not compiling.
-    from hkernels import dispatch
+    from hkernels import registry
 
     backends = ("helion", "triton") if spec["backend"] == "auto" else (spec["backend"],)
     _, out["backend_import_s"] = clock(
-        lambda: [dispatch._module(b, spec["op"]) for b in backends if b in ("helion", "triton")])
+        lambda: [registry.load(spec["op"], b) for b in backends if b in ("helion", "triton")])
     with hkernels.use_backend(spec["backend"]):
         ys, out["fwd_s"] = clock(forward)
         ups = [torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y) for y in ys]  # a loss gets 1

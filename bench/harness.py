@@ -35,8 +35,14 @@ class Row:
     gbps: float | None = None
     pct_copy: float | None = None
     tflops: float | None = None  # compute-bound ops (matmul, attention, the linear loss): flops per second
-    vs_compile: float | None = None  # torch.compile's time / this time (> 1: faster than torch.compile)
-    vs_eager: float | None = None
+    # Speedups, GPU time (ms): the peer's time / this time (> 1: this row is faster)
+    vs_compile: float | None = None  # over torch.compile
+    vs_eager: float | None = None  # over PyTorch eager
+    vs_liger: float | None = None  # over Liger-Kernel (where it has the op)
+    # The same from Python (ms_eager: calls back to back, no graph): what a caller without CUDA graphs gets
+    vs_compile_py: float | None = None
+    vs_eager_py: float | None = None
+    vs_liger_py: float | None = None
     peak_mib: float | None = None  # memory the call allocates beyond its inputs, at its peak (MiB)
     max_err: float | None = None  # max |out - float64 ref| / max |ref|, over y and every gradient
     timing: str = "per call"  # what ms is: "graph" (GPU time) or "per call"
@@ -212,10 +218,12 @@ def _short(op: str) -> str:
 
 
 def table(rows: Iterable[Row]) -> str:
-    """One line per row; compute-bound rows show TFLOP/s in the GB/s column (e.g. ``512TF``)."""
+    """One line per row, both times: ``GPU ms`` (graph replay) with its rate and speedups, then ``py ms`` (calls back
+    to back from Python) with its speedups; compute-bound rows show TFLOP/s in the GB/s column (e.g. ``512TF``)."""
     head = (
-        f"{'op':<13} {'shape':>17} {'mode':<7} {'backend':<13} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'vs cmp':>7} "
-        f"{'vs eager':>8} {'err':>8} {'peak MiB':>9} {'µs/call':>9}"
+        f"{'op':<13} {'shape':>17} {'mode':<7} {'backend':<13} {'GPU ms':>9} {'GB/s':>7} {'%copy':>6} "
+        f"{'xEager':>6} {'xCmp':>6} {'xLiger':>6} {'py ms':>9} {'xEager':>6} {'xCmp':>6} {'xLiger':>6} "
+        f"{'err':>8} {'peak MiB':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -224,10 +232,13 @@ def table(rows: Iterable[Row]) -> str:
             lines.append(f"{_short(r.op):<13} {shape:>17} {r.mode:<7} {r.backend:<13} failed: {r.error[:60]}")
             continue
         rate = _fmt(r.gbps, "7.0f") if r.gbps or r.tflops is None else _fmt(r.tflops, "5.0f") + "TF"
+        gpu = r.ms if "graph" in r.timing else None
         lines.append(
-            f"{_short(r.op):<13} {shape:>17} {r.mode:<7} {r.backend:<13} {_fmt(r.ms, '9.4f')} {rate} "
-            f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_compile, '7.2f')} {_fmt(r.vs_eager, '8.2f')} "
-            f"{_fmt(r.max_err, '8.1e')} {_fmt(r.peak_mib, '9.1f')} {_fmt(r.us_call, '9.1f')}"
+            f"{_short(r.op):<13} {shape:>17} {r.mode:<7} {r.backend:<13} {_fmt(gpu, '9.4f')} {rate} "
+            f"{_fmt(r.pct_copy, '6.1f')} {_fmt(r.vs_eager, '6.2f')} {_fmt(r.vs_compile, '6.2f')} "
+            f"{_fmt(r.vs_liger, '6.2f')} {_fmt(r.ms_eager, '9.4f')} {_fmt(r.vs_eager_py, '6.2f')} "
+            f"{_fmt(r.vs_compile_py, '6.2f')} {_fmt(r.vs_liger_py, '6.2f')} {_fmt(r.max_err, '8.1e')} "
+            f"{_fmt(r.peak_mib, '9.1f')}"
         )
     return "\n".join(lines)
 

@@ -7,8 +7,10 @@ host work or GPU time, whichever is longer); ratios are taken within a round, th
 slow stretch of the host moves numerator and denominator together. Kernel backends run inside one
 ``use_backend`` scope per loop (as under ``HKERNELS_BACKEND``), not one per call.
 
-Reported per op and shape: the median µs per call of each backend, and the paired ratios that issue 6's targets
-name — each backend against torch.compile and against eager, and ``auto`` against the faster of helion and triton.
+Reported per op and shape: the median µs per call of each backend, and the paired ratios — each backend against
+eager, torch.compile and Liger, and ``auto`` against the faster of helion and triton. ``--mode fwd_bwd`` times
+forward and backward calls back to back (``torch.autograd.grad`` per call) instead of forward calls under no_grad.
+``latency.md`` beside ``latency.json`` is the table.
 
 ``--gpu-time`` (a GPU only) times the kernels instead of the calls, for any shape: each backend's step
 (``--mode fwd`` or ``fwd_bwd``) captured once as a CUDA graph, then in each round every graph replayed under
@@ -38,21 +40,37 @@ BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "liger")
 KERNEL_BACKENDS = ("auto", "helion", "triton")
 
 
-def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str, Any]) -> Callable[[int], None]:
-    """A function running ``n`` forward calls of ``backend`` back to back."""
+def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str, Any],
+          mode: str = "fwd") -> Callable[[int], None]:
+    """A function running ``n`` calls of ``backend`` back to back: forwards (under no_grad), or forwards and
+    backwards (``mode="fwd_bwd"``: one ``torch.autograd.grad`` per call)."""
     import hkernels
+
+    fn = op.kernel if backend in KERNEL_BACKENDS else callable_for(op, backend, compiled)
+    call = fn
+    if mode == "fwd_bwd":
+        ins = [t.detach().clone().requires_grad_(i in op.diff) if i in op.diff else t for i, t in enumerate(inputs)]
+        wrt = [ins[i] for i in op.diff]
+        with torch.enable_grad():
+            outs = fn(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        ups = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+
+        def call(*_: Any) -> object:
+            with torch.enable_grad():
+                out = fn(*ins)
+                return torch.autograd.grad(out if isinstance(out, tuple) else (out,), wrt, ups)
 
     if backend in KERNEL_BACKENDS:  # one scope per loop, not per call (as under HKERNELS_BACKEND)
         def run(n: int) -> None:
             with hkernels.use_backend(backend):
                 for _ in range(n):
-                    op.kernel(*inputs)
+                    call(*inputs)
         return run
-    fn = callable_for(op, backend, compiled)
 
     def run_fn(n: int) -> None:
         for _ in range(n):
-            fn(*inputs)
+            call(*inputs)
     return run_fn
 
 
@@ -123,21 +141,43 @@ def paired(times: dict[str, list[float]], a: str, b: str | tuple[str, ...]) -> f
     return statistics.median(ratios)
 
 
+def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    """The table: µs per call of each backend, and hkernels' best over eager, torch.compile and Liger (paired,
+    within rounds; > 1 means hkernels waits less)."""
+    backends = list(dict.fromkeys(b for r in results for b in r["us_per_call"]))
+    lines = [f"# Per-call latency from Python ({env.get('mode', 'fwd')}, {env.get('dtype')})", "",
+             f"{env.get('device')} · torch {env.get('torch')} · commit {env.get('commit') or '?'} · "
+             f"{env.get('rounds')} interleaved rounds of {env.get('calls')} calls back to back · {env.get('timing')}",
+             "", "| op | shape | " + " | ".join(f"{b} µs" for b in backends)
+             + " | auto / eager | auto / compile | auto / Liger |",
+             "|---|---|" + "---|" * (len(backends) + 3)]
+    for r in results:
+        us = r["us_per_call"]
+        ratio = {peer: r.get(f"vs_{peer}", {}).get("auto") for peer in ("eager", "torch_compile", "liger")}
+        lines.append(f"| {r['op']} | {r['shape']} | " + " | ".join(f"{us[b]:.1f}" if b in us else "-" for b in backends)
+                     + " | " + " | ".join(f"{1 / v:.2f}" if v else "-" for v in ratio.values()) + " |")
+    lines += ["", "auto / peer: the peer's time over auto's (> 1: auto is faster).", ""]
+    return "\n".join(lines)
+
+
 def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device, args: argparse.Namespace) -> None:
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
     on_gpu = device.type == "cuda"
     env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-           "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT")}
+           "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT"),
+           "mode": args.mode, "dtype": args.dtype,
+           "timing": "GPU time of graph replays" if args.gpu_time else "host loop, then one sync"}
     tmp = out / "latency.json.tmp"  # then renamed: a run killed mid-write keeps the last whole file
     tmp.write_text(json.dumps({"env": env, "rows": results}, indent=1))
     os.replace(tmp, out / "latency.json")
+    (out / "latency.md").write_text(markdown(results, env))
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default="rms_norm,add_rms_norm,layer_norm,softmax,swiglu,geglu,rope")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: every op)")
     p.add_argument("--shapes", default="decode", help="presets (decode, ...) and/or MxN, comma-separated")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -146,7 +186,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="two small shapes per op (the only mode on a CPU)")
     p.add_argument("--gpu-time", action="store_true",
                    help="GPU time of CUDA-graph replays instead of per-call latency (any shape; a GPU only)")
-    p.add_argument("--mode", default="fwd", choices=("fwd", "fwd_bwd"), help="with --gpu-time: what a step runs")
+    p.add_argument("--mode", default="fwd", choices=("fwd", "fwd_bwd"),
+                   help="what a call runs: a forward (under no_grad), or a forward and its backward")
     p.add_argument("--out", type=Path, default=None, help="where to write latency.json")
     return p.parse_args(argv)
 
@@ -191,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = measure_graphs(steps, device, args.rounds)
             else:
                 with torch.no_grad():
-                    loops = {b: _loop(op, b, inputs, compiled) for b in backends}
+                    loops = {b: _loop(op, b, inputs, compiled, args.mode) for b in backends}
                     times = measure(loops, device, args.rounds if on_gpu else 2, args.calls if on_gpu else 2)
             row = {
                 "op": op_name, "shape": "x".join(str(s) for s in shape if s), "dtype": args.dtype,
@@ -199,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 "us_per_call": {b: statistics.median(t) for b, t in times.items()},
                 "vs_torch_compile": {b: paired(times, b, "torch_compile") for b in times if b != "torch_compile"},
                 "vs_eager": {b: paired(times, b, "torch") for b in times if b != "torch"},
+                "vs_liger": {b: paired(times, b, "liger") for b in times if b != "liger"},
                 "auto_vs_best_kernel": paired(times, "auto", ("helion", "triton")),
                 "rounds": {b: [round(x, 2) for x in t] for b, t in times.items()},
             }

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 
 Tensor = torch.Tensor
 
@@ -210,13 +210,17 @@ _PROJECTIONS = {  # nn.Linear (N, K) of a Llama-3 layer: fused q/k/v, o, fused g
     "llama3-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
     "llama3-70b": ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)),
 }
-_MATMUL_TOKENS = {"llama3-8b": (4096, 16384), "llama3-70b": (4096,), "decode": (1, 8, 64), "prefill": (4096, 16384)}
+_MATMUL_TOKENS = {"llama3-8b": (4096, 16384), "llama3-70b": (4096,), "decode": (1, 64), "prefill": (4096, 16384)}
 
 
 def _matmul_shapes(act: bool) -> Callable[[str], list[Shape]]:
-    """Squares 4096³ and 8192³, and a Llama-3 layer's projections (for a fused activation: the up projection only)."""
+    """Squares 4096³ and 8192³, and a Llama-3 layer's projections (for a fused activation: the up projection only);
+    at decode (1 and 64 tokens), the output projection of each model (the up projection, for a fused activation)."""
 
     def shapes(preset: str) -> list[Shape]:
+        if preset == "decode":
+            projections = [p[2 if act else 1] for p in _PROJECTIONS.values()]
+            return [(m, n, k) for n, k in projections for m in _MATMUL_TOKENS["decode"]]
         models = ("llama3-8b", "llama3-70b") if preset in ("llama3", "decode", "prefill") else (preset,)
         out: list[Shape] = [(4096, 4096, 4096), (8192, 8192, 8192)] if preset == "llama3" else []
         for model in (m for m in models if m in _PROJECTIONS):  # (no shapes for the other models)
@@ -230,11 +234,12 @@ def _matmul_shapes(act: bool) -> Callable[[str], list[Shape]]:
 
 def _attention_shapes(preset: str) -> list[Shape]:
     """Sequences of 1k-16k at 16384 tokens per batch (B = 16384 / S), 32 heads of 128 (Llama-3 8B's queries; 64
-    for 70B). None for decode (one query row: not what a flash kernel is for) or other models."""
+    for 70B); for decode, one sequence of 1 and of 64 tokens (the per-call latency of a short prompt). None for
+    other models."""
     seqs = {"llama3": (1024, 2048, 4096, 8192, 16384), "llama3-8b": (1024, 4096, 16384),
-            "llama3-70b": (4096, 16384), "prefill": (4096, 16384)}
+            "llama3-70b": (4096, 16384), "prefill": (4096, 16384), "decode": (1, 64)}
     width = 8192 if preset == "llama3-70b" else 4096
-    return [(s, width, max(1, 16384 // s)) for s in seqs.get(preset, ())]
+    return [(s, width, 1 if preset == "decode" else max(1, 16384 // s)) for s in seqs.get(preset, ())]
 
 
 OPS: dict[str, OpBench] = {
@@ -242,21 +247,21 @@ OPS: dict[str, OpBench] = {
         "rms_norm", _rows(0), (0, 1),
         eager=lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
         kernel=lambda x, w: hkernels.rms_norm(x, w, 1e-6),
-        ref=lambda x, w: reference.rms_norm(x, w, 1e-6),
+        ref=lambda x, w: references.rms_norm(x, w, 1e-6),
         dim="hidden", passes=(2, 3), params=1,  # read x, write y; read dy and x, write dx
     ),
     "layer_norm": OpBench(
         "layer_norm", _rows(0, 1), (0, 1, 2),
         eager=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
         kernel=lambda x, w, b: hkernels.layer_norm(x, w, b, 1e-5),
-        ref=lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
+        ref=lambda x, w, b: references.layer_norm(x, w, b, 1e-5),
         dim="hidden", passes=(2, 3), params=2,
     ),
     "softmax": OpBench(
         "softmax", _rows(), (0,),
         eager=lambda x: torch.softmax(x, -1),
         kernel=lambda x: hkernels.softmax(x, -1),
-        ref=lambda x: reference.softmax(x, -1),
+        ref=lambda x: references.softmax(x, -1),
         dim="hidden", passes=(2, 3),  # read x, write y; read dy and y, write dx
         extra=((1024, 128256), (4096, 128256)),
     ),
@@ -264,35 +269,35 @@ OPS: dict[str, OpBench] = {
         "add_rms_norm", _add_norm, (0, 1, 2),
         eager=_eager_add_norm,
         kernel=lambda x, r, w: hkernels.add_rms_norm(x, r, w, 1e-6),
-        ref=lambda x, r, w: reference.add_rms_norm(x, r, w, 1e-6),
+        ref=lambda x, r, w: references.add_rms_norm(x, r, w, 1e-6),
         dim="hidden", passes=(4, 4), params=1,  # read x, r, write y, s; read dy, ds, s, write the one shared gradient
     ),
     "swiglu": OpBench(
         "swiglu", _gated, (0, 1),
         eager=lambda g, u: F.silu(g) * u,
         kernel=hkernels.swiglu,
-        ref=reference.swiglu,
+        ref=references.swiglu,
         dim="inter", passes=(3, 5),  # read gate, up, write y; read dy, gate, up, write dgate, dup
     ),
     "geglu": OpBench(
         "geglu", _gated, (0, 1),
         eager=lambda g, u: F.gelu(g, approximate="tanh") * u,
         kernel=lambda g, u: hkernels.geglu(g, u, "tanh"),
-        ref=lambda g, u: reference.geglu(g, u, "tanh"),
+        ref=lambda g, u: references.geglu(g, u, "tanh"),
         dim="inter", passes=(3, 5),
     ),
     "rope": OpBench(
         "rope", _rope, (0, 1),
         eager=_eager_rope,
         kernel=hkernels.rope,
-        ref=reference.rope,
+        ref=references.rope,
         dim="hidden", bytes_fn=_rope_bytes,
     ),
     "cross_entropy": OpBench(
         "cross_entropy", _logits, (0,),
         eager=lambda x, t: F.cross_entropy(x, t),
         kernel=lambda x, t: hkernels.cross_entropy(x, t),
-        ref=lambda x, t: reference.cross_entropy(x, t),
+        ref=lambda x, t: references.cross_entropy(x, t),
         dim="vocab", bytes_fn=_ce_bytes,
         tokens=(256, 4096, 8192), extra=((4096, 262144), (8192, 262144)),
     ),
@@ -300,28 +305,28 @@ OPS: dict[str, OpBench] = {
         "fused_linear_cross_entropy", _linear_ce, (0, 1),
         eager=lambda h, w, t: F.cross_entropy(F.linear(h, w), t),
         kernel=lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t),
-        ref=lambda h, w, t: reference.fused_linear_cross_entropy(h, w, t),
+        ref=lambda h, w, t: references.fused_linear_cross_entropy(h, w, t),
         dim="hidden", flops_fn=_flce_flops, tokens=(1024, 4096, 8192),
     ),
     "matmul": OpBench(
         "matmul", _matmul(False), (0, 1),
         eager=torch.matmul,  # cuBLAS
         kernel=hkernels.matmul,
-        ref=reference.matmul,
+        ref=references.matmul,
         dim="hidden", flops_fn=_matmul_flops, compile=False, shapes=_matmul_shapes(False),
     ),
     "matmul_gelu": OpBench(  # bias + tanh-gelu in the epilogue; the peer is cuBLAS (bias in its epilogue) + gelu
         "matmul_gelu", _matmul(True), (0, 1, 2),
         eager=lambda a, b, bias: F.gelu(torch.addmm(bias, a, b), approximate="tanh"),
         kernel=lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh"),
-        ref=lambda a, b, bias: reference.matmul(a, b, bias, "gelu_tanh"),
+        ref=lambda a, b, bias: references.matmul(a, b, bias, "gelu_tanh"),
         dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
     ),
     "attention": OpBench(
         "attention", _attention, (0, 1, 2),
         eager=F.scaled_dot_product_attention,  # whichever backend SDPA picks
         kernel=hkernels.attention,
-        ref=reference.attention,
+        ref=references.attention,
         dim="hidden", flops_fn=_attention_flops(False), compile=False, shapes=_attention_shapes, ref_view=_head0,
         peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", False), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", False)},
     ),
@@ -329,7 +334,7 @@ OPS: dict[str, OpBench] = {
         "attention_causal", _attention, (0, 1, 2),
         eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         kernel=lambda q, k, v: hkernels.attention(q, k, v, causal=True),
-        ref=lambda q, k, v: reference.attention(q, k, v, causal=True),
+        ref=lambda q, k, v: references.attention(q, k, v, causal=True),
         dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes, ref_view=_head0,
         peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", True), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", True)},
     ),
@@ -358,8 +363,8 @@ def preset_shapes(preset: str, op: OpBench) -> list[Shape]:
         return sorted(set(both), key=lambda s: (s[1], s[0]))
     if preset in MODELS:
         return [(m, MODELS[preset][op.dim], 0) for m in op.tokens] + [(m, n, 0) for m, n in op.extra]
-    tokens = (1, 8, 64) if preset == "decode" else (4096, 16384)
-    return [(m, MODELS[model][op.dim], 0) for model in ("llama3-8b", "llama3-70b") for m in tokens]
+    tokens = (1, 64) if preset == "decode" else (4096, 16384)
+    return list(dict.fromkeys((m, MODELS[model][op.dim], 0) for model in ("llama3-8b", "llama3-70b") for m in tokens))
 
 
 def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:

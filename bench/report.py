@@ -26,27 +26,38 @@ def _f(v: float | None, spec: str) -> str:
 
 
 def summary_rows(rows: list[Row]) -> list[dict[str, object]]:
-    """Per op × backend: geomean speedups (all shapes, and ≥ 64 MiB ones) and median % of copy (≥ 64 MiB)."""
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    """Per op × mode × backend, both times: geomean speedups over eager, torch.compile and Liger in GPU time (graph
+    replay) and from Python (calls back to back), over all shapes; and the median % of copy of the ≥ 64 MiB
+    shapes."""
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for r in rows:
         if r.ms and not r.error:
-            groups[(r.op, r.backend)].append(r)
+            groups[(r.op, r.mode, r.backend)].append(r)
     out = []
-    for (op, backend), rs in sorted(groups.items()):
+    for (op, mode, backend), rs in sorted(groups.items()):
         large = [r for r in rs if _large(r)]
-        out.append(
-            {
-                "op": op,
-                "backend": backend,
-                "vs_eager": _geomean([r.vs_eager for r in rs]),
-                "vs_compile": _geomean([r.vs_compile for r in rs]),
-                "vs_eager_large": _geomean([r.vs_eager for r in large]),
-                "vs_compile_large": _geomean([r.vs_compile for r in large]),
-                "pct_copy_large": statistics.median([r.pct_copy for r in large]) if large else None,
-                "rows": len(rs),
-            }
-        )
+        entry: dict[str, object] = {"op": op, "mode": mode, "backend": backend, "rows": len(rs),
+                                    "pct_copy_large": statistics.median([r.pct_copy for r in large]) if large else None}
+        for peer in ("eager", "compile", "liger"):
+            entry[f"vs_{peer}"] = _geomean([getattr(r, f"vs_{peer}") for r in rs])
+            entry[f"vs_{peer}_py"] = _geomean([getattr(r, f"vs_{peer}_py") for r in rs])
+        out.append(entry)
     return out
+
+
+def host_bound(rows: list[Row]) -> list[str]:
+    """hkernels rows whose time from Python exceeds their GPU time by more than 15%: where the host, not the GPU,
+    sets the pace (the µs a caller waits that a CUDA graph would remove)."""
+    lines = []
+    for r in rows:
+        if r.backend in OURS and not r.error and r.ms and r.ms_eager and "graph" in r.timing:
+            if r.ms_eager > 1.15 * r.ms:
+                eager = next((e for e in rows if e.backend == "torch" and (e.op, e.m, e.n, e.k, e.mode)
+                              == (r.op, r.m, r.n, r.k, r.mode) and e.ms_eager), None)
+                lines.append(f"| {r.op} | {shape_of(r)} | {r.mode} | {r.backend} | {r.ms * 1e3:.1f} | "
+                             f"{r.ms_eager * 1e3:.1f} | {r.ms_eager / r.ms:.2f} | "
+                             f"{_f(eager.ms_eager * 1e3 if eager else None, '.1f')} |")
+    return lines
 
 
 def _best(rows: list[Row]) -> list[str]:
@@ -151,27 +162,34 @@ def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True
         "",
         f"`{env.get('command')}` · dtype {env.get('dtype')} · device-to-device copy in this run: **{copy:.0f} GB/s**",
         "",
-        "Times are GPU time (each call captured as a CUDA graph and replayed, L2 flushed between replays) unless a",
-        "row says otherwise; GB/s counts the bytes each op must move. Speedups are geomeans of time ratios over",
-        "all shapes, and over shapes that move ≥ 64 MiB (the ones judged against the copy bandwidth). The µs/call",
-        "column of table.txt is the latency a caller sees: the call from Python, back to back, median of 5 loops",
-        "(host overhead or GPU time, whichever is longer).",
+        "Every row has two times: the GPU time (each call captured as a CUDA graph and replayed, L2 flushed between",
+        "replays) and the time from Python (calls back to back, then one sync: host overhead or GPU time, whichever",
+        "is longer; median of 5 loops). GB/s and % of copy are of the GPU time, for the bytes each op must move.",
         "",
         f"Rows timed per call from Python instead (no GPU, --latency, or capture failed): "
         f"{sum(1 for r in rows if r.ms and 'graph' not in r.timing)} of {sum(1 for r in rows if r.ms)}.",
         "",
-        "## Summary: speedup per op and backend",
+        "## Summary: speedup per op and backend, in both times",
         "",
-        "| op | backend | vs eager | vs torch.compile | vs eager (≥ 64 MiB) | vs torch.compile (≥ 64 MiB) | "
-        "median % of copy (≥ 64 MiB) | rows |",
-        "|---|---|---|---|---|---|---|---|",
+        "GPU: the call replayed as a CUDA graph. From Python: calls back to back, no graph (what a caller without",
+        "CUDA graphs waits). Each cell is the geomean over the shapes of the peer's time / this backend's time",
+        "(> 1: faster than the peer).",
+        "",
+        "| op | mode | backend | GPU vs eager | GPU vs compile | GPU vs Liger | Python vs eager | Python vs compile "
+        "| Python vs Liger | median % of copy (≥ 64 MiB) | rows |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary_rows(rows):
         lines.append(
-            f"| {s['op']} | {s['backend']} | {_f(s['vs_eager'], '.2f')} | {_f(s['vs_compile'], '.2f')} | "
-            f"{_f(s['vs_eager_large'], '.2f')} | {_f(s['vs_compile_large'], '.2f')} | "
-            f"{_f(s['pct_copy_large'], '.1f')} | {s['rows']} |"
+            f"| {s['op']} | {s['mode']} | {s['backend']} | {_f(s['vs_eager'], '.2f')} | {_f(s['vs_compile'], '.2f')} "
+            f"| {_f(s['vs_liger'], '.2f')} | {_f(s['vs_eager_py'], '.2f')} | {_f(s['vs_compile_py'], '.2f')} | "
+            f"{_f(s['vs_liger_py'], '.2f')} | {_f(s['pct_copy_large'], '.1f')} | {s['rows']} |"
         )
+    bound = host_bound(rows)
+    if bound:
+        lines += ["", "## Where the host sets the pace (from Python > 1.15 × GPU time)", "",
+                  "| op | shape | mode | backend | GPU µs | from Python µs | ratio | eager from Python µs |",
+                  "|---|---|---|---|---|---|---|---|", *bound]
     compute = compute_table(rows)
     if compute:
         lines += ["", "## Compute-bound ops: TFLOP/s", "", *compute]

@@ -20,19 +20,18 @@ from hkernels.dispatch import (  # noqa: E402
     selected_backend,
     use_backend,
 )
-from hkernels.functional import (  # noqa: E402
-    add_rms_norm,
-    attention,
-    cross_entropy,
-    fused_linear_cross_entropy,
-    geglu,
-    layer_norm,
-    matmul,
-    rms_norm,
-    rope,
-    softmax,
-    swiglu,
-)
+from hkernels.functional import references  # noqa: E402
+from hkernels.functional.add_rms_norm import add_rms_norm  # noqa: E402
+from hkernels.functional.attention import attention  # noqa: E402
+from hkernels.functional.cross_entropy import cross_entropy  # noqa: E402
+from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from hkernels.functional.geglu import geglu  # noqa: E402
+from hkernels.functional.layer_norm import layer_norm  # noqa: E402
+from hkernels.functional.matmul import matmul  # noqa: E402
+from hkernels.functional.rms_norm import rms_norm  # noqa: E402
+from hkernels.functional.rope import rope  # noqa: E402
+from hkernels.functional.softmax import softmax  # noqa: E402
+from hkernels.functional.swiglu import swiglu  # noqa: E402
 from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
 
 __version__ = "0.1.0"
@@ -51,6 +50,7 @@ __all__ = [
     "nn",
     "ops",
     "patch",
+    "references",
     "rms_norm",
     "rope",
     "selected_backend",

@@ -1,20 +1,22 @@
 """The dispatcher: which backend runs a call. The only module that knows several backends exist.
 
-Backends: ``helion`` (``hkernels/ops/<op>.py``), ``triton`` (``triton_fallback/<op>.py``) and ``torch``
-(``hkernels/reference.py``). Each backend module offers the same functions (``<op>_fwd``, ``<op>_bwd``) with
-the same signatures; the dispatcher imports a backend module only when a call first needs it.
+Backends (``hkernels/registry.py`` names each op's module on each): ``helion``, ``triton`` and ``torch``. Each offers
+the same functions (``<op>_fwd``, ``<op>_bwd``, ...) with the same signatures.
 
 What a call asks for, strongest first:
   1. ``with hkernels.use_backend(...)`` scopes, innermost first (a context variable: per thread, per task);
-  2. ``HKERNELS_BACKEND``, read at every call: ``auto`` | ``helion`` | ``triton`` | ``torch``, optionally with
-     per-op overrides, e.g. ``HKERNELS_BACKEND=helion,softmax=triton``;
+  2. ``HKERNELS_BACKEND``: ``auto`` | ``helion`` | ``triton`` | ``torch``, optionally with per-op overrides, e.g.
+     ``HKERNELS_BACKEND=helion,softmax=triton``; read at call time, parsed again only when its text changes;
   3. ``auto``.
 ``auto`` runs CUDA tensors on the backend measured faster for the op and shape bucket on this GPU arch (the
-tune command's buckets in the user cache first, then the shipped ``hkernels/configs/auto/<arch>.json``), on helion where
-nothing was measured, falling back to triton (one warning per op and reason) when Helion cannot compile or run
-the input; CPU tensors run on torch (in interpret mode, CPU tensors take the CUDA path, helion first). A
+tune command's buckets in the user cache first, then the shipped ``hkernels/configs/auto/<arch>.json``), on helion
+where nothing was measured, falling back to triton (one warning per op and reason) when Helion cannot compile or
+run the input; CPU tensors run on torch (in interpret mode, CPU tensors take the CUDA path, helion first). A
 backend asked for by name that cannot run the call raises :class:`BackendUnavailableError`, naming the op, the
 backend, the reason and what can run instead.
+
+Inside a plan (``triton_fallback/_plan.py``) the route a call took is recorded once per call signature and
+replayed: a replayed call neither reads the tables nor builds a route key.
 """
 
 from __future__ import annotations
@@ -22,25 +24,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import inspect
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from hkernels import _interpret, configs
+from hkernels import _interpret, configs, registry
+from triton_fallback import _plan
 
-BACKENDS: tuple[str, ...] = ("helion", "triton", "torch")
+BACKENDS: tuple[str, ...] = registry.BACKENDS
 REQUESTS: tuple[str, ...] = ("auto", *BACKENDS)
 KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
-
-_MODULES = {"helion": "hkernels.ops.{op}", "triton": "triton_fallback.{op}", "torch": "hkernels.reference"}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -51,48 +51,13 @@ class HKernelsFallbackWarning(UserWarning):
     """``auto`` wanted Helion for a call and ran Triton instead."""
 
 
-@dataclass(frozen=True)
-class _Layer:
-    default: str | None
-    per_op: Mapping[str, str]
-
-
-_SCOPE: contextvars.ContextVar[tuple[_Layer, ...]] = contextvars.ContextVar("hkernels_backend_scope", default=())
-_OPS: dict[str, Callable[..., Any]] = {}
-# Per op, where the public function reshapes its input before the kernel call: the tensors the call is routed by
-# (selected_backend must bucket what the kernel will see, e.g. softmax over dim 0 runs on a moved view).
-_ROUTED: dict[str, Callable[[dict[str, Any]], tuple[torch.Tensor, ...]]] = {}
-_lock = threading.Lock()
-_import_lock = threading.RLock()
-_module_cache: dict[tuple[str, str], ModuleType | str] = {}
-_helion_failures: dict[tuple[Any, ...], str] = {}
-# The same failures by (op, dtype and last dim of the routed tensor): what selected_backend can see from a public
-# call's arguments (a kernel's own tensors differ: a loss's kernel also takes per-row scales and a gradient buffer).
-# Approximate, for reporting only (routing uses _helion_failures): a failure of one kernel of the op (a backward,
-# a variant with a weight) counts for every call of that dtype and row length; matmul's epilogue backward is keyed
-# by N where the public call is keyed by K.
-_helion_failed_rows: dict[tuple[Any, ...], str] = {}
-_triton_failures: dict[tuple[Any, ...], str] = {}  # under auto where the table chose Triton (see run)
-_warned: set[tuple[str, str]] = set()
-
-
-def register_op(
-    name: str, public_fn: Callable[..., Any], routed: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]] | None = None
-) -> None:
-    """Make ``name`` known to the dispatcher; ``public_fn`` is the user-facing function (for its signature);
-    ``routed`` maps its bound arguments to the tensors its kernel call is routed by, where they differ."""
-    _OPS[name] = public_fn
-    if routed is not None:
-        _ROUTED[name] = routed
-
-
 def ops() -> list[str]:
     """Names of every op hkernels provides."""
-    return sorted(_OPS)
+    return sorted(registry.OPS)
 
 
 def _check_op(op: str) -> None:
-    if op not in _OPS:
+    if op not in registry.OPS:
         raise ValueError(f"hkernels: unknown op {op!r}; ops are: {', '.join(ops())}")
 
 
@@ -100,6 +65,60 @@ def _check_request(value: str, where: str) -> str:
     if value not in REQUESTS:
         raise ValueError(f"hkernels: unknown backend {value!r} in {where}; valid backends are: {', '.join(REQUESTS)}")
     return value
+
+
+# ------------------------------------------------------------------------------------------- what a call asks for
+
+
+@dataclass(frozen=True)
+class _Layer:
+    default: str | None
+    per_op: tuple[tuple[str, str], ...]
+
+
+class _Scope:
+    """The ``use_backend`` layers in effect, innermost last, with what they resolve to per ``HKERNELS_BACKEND``
+    text (remembered: a call pays two dict lookups, not a parse)."""
+
+    __slots__ = ("layers", "resolved")
+
+    def __init__(self, layers: tuple[_Layer, ...]) -> None:
+        self.layers = layers
+        self.resolved: dict[bytes | str | None, dict[str, str]] = {}
+
+    def resolve(self, env: bytes | str | None) -> dict[str, str]:
+        layers = self.layers
+        if env:
+            text = env.decode() if isinstance(env, bytes) else env
+            layers = (_parse_env(text), *layers)
+        out = {}
+        for op in registry.OPS:
+            out[op] = "auto"
+            for layer in reversed(layers):
+                choice = dict(layer.per_op).get(op, layer.default)
+                if choice is not None:
+                    out[op] = choice
+                    break
+        if len(self.resolved) > 64:  # a process that keeps rewriting the variable
+            self.resolved.clear()
+        self.resolved[env] = out
+        return out
+
+
+_ROOT = _Scope(())
+_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("hkernels_backend_scope", default=_ROOT)
+_ENV = "HKERNELS_BACKEND"
+try:  # the environment's own mapping: one dict lookup instead of os.environ's encode/decode per read
+    _environ_data: dict[Any, Any] = os.environ._data  # type: ignore[attr-defined]
+    _env_key: Any = os.environ.encodekey(_ENV)  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover (an os.environ without them)
+    _environ_data, _env_key = None, None  # type: ignore[assignment]
+
+
+def _env_text() -> bytes | str | None:
+    if _environ_data is not None:
+        return _environ_data.get(_env_key)
+    return os.environ.get(_ENV)  # pragma: no cover
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,20 +135,17 @@ def _parse_env(text: str) -> _Layer:
             per_op[op] = _check_request(value.lower(), f"HKERNELS_BACKEND={text!r}")
         else:
             default = _check_request(item.lower(), f"HKERNELS_BACKEND={text!r}")
-    return _Layer(default, per_op)
+    return _Layer(default, tuple(per_op.items()))
 
 
 def requested(op: str) -> str:
     """What the current scope and ``HKERNELS_BACKEND`` ask for ``op``: auto, helion, triton or torch."""
-    layers = _SCOPE.get()
-    env = os.environ.get("HKERNELS_BACKEND")
-    if env:
-        layers = (_parse_env(env), *layers)
-    for layer in reversed(layers):
-        choice = layer.per_op.get(op, layer.default)
-        if choice is not None:
-            return choice
-    return "auto"
+    scope = _SCOPE.get()
+    env = _env_text()
+    found = scope.resolved.get(env)
+    if found is None:
+        found = scope.resolve(env)
+    return found[op]
 
 
 @contextlib.contextmanager
@@ -143,50 +159,14 @@ def use_backend(default: str | None = None, /, **per_op: str) -> Iterator[None]:
     for op, value in per_op.items():
         _check_op(op)
         _check_request(value, f"use_backend({op}=...)")
-    token = _SCOPE.set((*_SCOPE.get(), _Layer(default, dict(per_op))))
+    token = _SCOPE.set(_Scope((*_SCOPE.get().layers, _Layer(default, tuple(per_op.items())))))
     try:
         yield
     finally:
         _SCOPE.reset(token)
 
 
-_prepared = False
-
-
-def prepare() -> None:
-    """Import, once and under the import lock, what a first op call would otherwise import lazily.
-
-    A custom op's first call imports torch._dynamo; Helion's import pulls in torch._inductor, which imports
-    torch._dynamo too. Done from two threads at once, the two chains wait on each other's module locks and
-    Python breaks the cycle by handing out half-initialised modules (seen on the H200: "partially initialized
-    module 'torch._dynamo'", after which every op failed in that process).
-    """
-    global _prepared
-    if _prepared:
-        return
-    with _import_lock:
-        if not _prepared:
-            import torch._dynamo  # noqa: F401
-
-            _prepared = True
-
-
-def _module(backend: str, op: str) -> ModuleType | str:
-    """The backend's module for ``op``, or the reason it cannot be imported."""
-    key = (backend, op)
-    found = _module_cache.get(key)
-    if found is None:
-        # One import at a time (see prepare).
-        with _import_lock:
-            prepare()
-            found = _module_cache.get(key)
-            if found is None:
-                try:
-                    found = importlib.import_module(_MODULES[backend].format(op=op))
-                except Exception as e:  # an import error of any kind means: this backend is not available here
-                    found = f"{backend} cannot be imported here ({type(e).__name__}: {e})"
-                _module_cache[key] = found
-    return found
+# ------------------------------------------------------------------------------------------------- availability
 
 
 def _device_reason(backend: str, tensors: tuple[torch.Tensor, ...]) -> str | None:
@@ -214,8 +194,22 @@ def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...])
         bad = sorted({str(t.dtype) for t in tensors if t.is_floating_point() and t.dtype not in KERNEL_DTYPES})
         if bad:
             return f"its kernels take float32, bfloat16 and float16, not {', '.join(bad)}"
-    module = _module(backend, op)
+    module = registry.load(op, backend)
     return module if isinstance(module, str) else None
+
+
+# --------------------------------------------------------------------------------------------- failure memory
+
+_lock = threading.Lock()
+_helion_failures: dict[tuple[Any, ...], str] = {}
+# The same failures by (op, dtype and last dim of the routed tensor): what selected_backend can see from a public
+# call's arguments (a kernel's own tensors differ: a loss's kernel also takes per-row scales and a gradient buffer).
+# Approximate, for reporting only (routing uses _helion_failures): a failure of one kernel of the op (a backward,
+# a variant with a weight) counts for every call of that dtype and row length; matmul's epilogue backward is keyed
+# by N where the public call is keyed by K.
+_helion_failed_rows: dict[tuple[Any, ...], str] = {}
+_triton_failures: dict[tuple[Any, ...], str] = {}  # under auto where the table chose Triton (see run)
+_warned: set[tuple[str, str]] = set()
 
 
 def _signature(fn: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
@@ -233,6 +227,9 @@ def _row_signature(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...
 
 def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(a for a in args if isinstance(a, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------------------------------- choosing
 
 
 def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, str]:
@@ -313,31 +310,53 @@ def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, s
                                f"{bucket.get('measured', 'no detail')})")
 
 
-# Routes already chosen: (op, fn, request, interpret mode, (CUDA or device type, dtype) of each tensor) -> (backend,
-# the backend's module; the function is looked up per call, so a replaced module attribute takes effect); under
-# auto the key also holds the device and shape of the tensor the auto table buckets by, so a call of a
-# shape seen before skips the table lookup (auto's route took 3.6 µs against 1.9 for a named backend on the
-# development CPU; 2.5 with this key; on the H200's slower host auto was 4-5 µs slower per call than the backend
-# it chose). Everything select() decides on is in the key, except Helion failures, which are keyed
-# by shape and checked apart, and the tables, whose reload (configs.reload) empties this (code that replaces
-# what select() reads, e.g. a test patching _bucket, calls _forget_routes). Only successful selections are kept:
-# a call that raises is retried in full.
+# Routes already chosen, for calls outside a plan (the custom-op path: torch.compile, modes, subclasses): (op, fn,
+# request, interpret mode, (CUDA or device type, dtype) of each tensor) -> (backend, the backend's module; the
+# function is looked up per call, so a replaced module attribute takes effect); under auto the key also holds the
+# device and shape of the tensor the auto table buckets by. Everything select() decides on is in the key, except
+# Helion failures, which are keyed by shape and checked apart, and the tables, whose reload (configs.reload)
+# empties this. Only successful selections are kept: a call that raises is retried in full.
 _routes: dict[tuple[Any, ...], tuple[str, ModuleType]] = {}
 _MAX_ROUTES = 4096  # auto's keys grow with the row counts a caller uses: past this, start over
 _routes_generation = 0  # bumped by every reload: a route chosen from the old tables is not stored after it
+_forget_hooks: list[Callable[[], None]] = []
+
+
+def on_forget(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever the routes are forgotten (the public calls' plans recorded routes too)."""
+    _forget_hooks.append(hook)
 
 
 def _forget_routes() -> None:
-    """After the tables are re-read (or a test replaced what select() reads): every route is chosen again."""
+    """After the tables are re-read (or a test replaced what select() reads): every route is chosen again, and
+    every plan that recorded one is dropped."""
     global _routes_generation
     with _lock:
         _routes_generation += 1
         _routes.clear()
+        _bound.clear()
+    for hook in _forget_hooks:
+        hook()
+
+
+def generation() -> int:
+    """Bumped whenever the routes are forgotten: a plan recorded while that happened is not kept."""
+    return _routes_generation
+
+
+def forget() -> None:
+    """Forget every route, plan, remembered failure and given warning: the next call of each signature decides
+    afresh."""
+    with _lock:
+        _helion_failures.clear()
+        _helion_failed_rows.clear()
+        _triton_failures.clear()
+        _warned.clear()
+    _forget_routes()
 
 
 def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, ModuleType]:
-    # is_cuda first: t.device builds a device object per tensor (0.6 µs of a 2-tensor call's key on the development
-    # CPU); other devices still key by their type
+    # is_cuda first: t.device builds a device object per tensor; other devices still key by their type
     key: tuple[Any, ...] = (op, fn, request, _interpret.enabled(),
                             tuple([(t.is_cuda or t.device.type, t.dtype) for t in tensors]))
     if request == "auto" and tensors:
@@ -349,7 +368,7 @@ def _route(op: str, fn: str, request: str, tensors: tuple[torch.Tensor, ...]) ->
         return found
     generation = _routes_generation
     backend, _ = select(op, request, tensors, fn)
-    module = _module(backend, op)
+    module = registry.load(op, backend)
     assert not isinstance(module, str)
     found = (backend, module)
     # A fallback chosen for one failing shape is not kept: other inputs of this key may still run on Helion.
@@ -367,20 +386,119 @@ configs.on_reload(_forget_routes)  # a new table may choose other backends for s
 
 def run(op: str, fn: str, request: str, *args: Any) -> Any:
     """Run ``<fn>`` (e.g. ``rms_norm_fwd``) of the backend chosen for ``op``; under auto, fall back from Helion to
-    Triton, or from Triton (where the measured table chose it) to Helion."""
+    Triton, or from Triton (where the measured table chose it) to Helion.
+
+    A backend function may offer a binder (``fn.bind(*args)``: the same function for every call of this
+    signature, its settings, grids and compiled kernels found once). Inside a plan, the first call records the
+    bound function and replays call it directly; outside one (the custom-op path that torch.compile runs), bound
+    functions are kept per exact signature."""
+    entry = _plan.recall(fn)
+    if entry is not None:
+        if entry.__class__ is ModuleType:  # not bound: the function's own slots follow in the plan
+            return getattr(entry, fn)(*args)
+        return entry(*args)
+    slot = _plan.reserve(fn)  # recording: what to replay is known once the call has run
+    key = None
+    if slot < 0 and not _plan.active():
+        key = _bound_key(op, fn, request, args)
+        if key is not None:
+            found = _bound.get(key)
+            if found is not None:
+                return found(*args)
     request = request or requested(op)
     tensors = _tensors(args)
     backend, module = _route(op, fn, request, tensors)
     if backend == "triton" and request == "auto":
-        return _run_measured_triton(op, fn, module, tensors, args)
-    if backend != "helion":
-        return getattr(module, fn)(*args)
+        out, module = _run_measured_triton(op, fn, module, tensors, args, slot)
+    elif backend != "helion":
+        out = getattr(module, fn)(*args)
+    else:
+        out, module = _run_helion(op, fn, request, module, tensors, args, slot)
+    bound = _bind(module, fn, args) if (slot >= 0 or key is not None) else None
+    if bound is None:
+        _plan.fill(slot, module)
+    elif slot >= 0:
+        _plan.rewind(slot)  # the bound function replaces what the call recorded inside it
+        _plan.fill(slot, bound)
+    else:
+        with _lock:
+            if len(_bound) >= _MAX_ROUTES:
+                _bound.clear()
+            _bound[key] = bound
+    return out
+
+
+# Bound functions for calls outside a plan, by exact signature (see run); forgotten with the routes.
+_bound: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+def _bound_key(op: str, fn: str, request: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """(op, fn, request, per argument its dtype, shape, strides, alignment and device, or its type and value);
+    None where that cannot describe the call: an argument passed twice (a kernel may write through one and read
+    the other), an unhashable one, or any Helion failure remembered (checked per call on the unbound path)."""
+    if _helion_failures or _triton_failures:
+        return None
+    key: list[Any] = [op, fn, request or requested(op)]
+    seen: set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if id(a) in seen or type(a) is not torch.Tensor:
+                return None
+            seen.add(id(a))
+            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.device))
+        else:
+            key.append((type(a), a))
     try:
-        return getattr(module, fn)(*args)
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
+
+
+def _bind(module: ModuleType, fn: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """The backend function's binding for these arguments, or None (no binder: a replaced function, such as a test's
+    spy, has none; or binding failed, which the unbound function does not)."""
+    binder = getattr(getattr(module, fn), "bind", None)
+    if binder is None:
+        return None
+    try:
+        bound = binder(*args)
+    except Exception:  # the call itself ran: keep running it unbound
+        return None
+    try:
+        bound.hk_module = module  # which backend it is of (a caller may bind the same function with other options)
+    except AttributeError:
+        return None
+    return bound
+
+
+def rebind(bound: Callable[..., Any], fn: str, *args: Any, **options: Any) -> Callable[..., Any] | None:
+    """``fn`` of the backend ``bound`` (a bound function of :func:`run`'s) bound again for ``args`` with ``options``
+    (e.g. ``stats=False``), or None where its binder does not take them."""
+    module = getattr(bound, "hk_module", None)
+    binder = getattr(getattr(module, fn, None), "bind", None)
+    if binder is None:
+        return None
+    try:
+        return binder(*args, **options)
+    except Exception:
+        return None
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def _run_helion(op: str, fn: str, request: str, module: ModuleType, tensors: tuple[torch.Tensor, ...],
+                args: tuple[Any, ...], slot: int) -> tuple[Any, ModuleType]:
+    try:
+        return getattr(module, fn)(*args), module
     except torch.OutOfMemoryError:
         raise  # not a property of the input's signature: no fallback remembered for it
+    except _plan.PlanDivergedError:
+        raise
     except Exception as e:
-        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        reason = _reason(e)
         if request != "auto":
             can = [b for b in BACKENDS if b != "helion" and unavailable_reason(op, b, tensors) is None]
             raise BackendUnavailableError(
@@ -398,29 +516,39 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
             warnings.warn(
                 f"hkernels.{op}: Helion could not run this input ({reason}); using the Triton kernel instead",
                 HKernelsFallbackWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
-        return getattr(_module("triton", op), fn)(*args)
+        _plan.rewind(slot)  # what the failed attempt recorded
+        triton = registry.load(op, "triton")
+        assert not isinstance(triton, str)
+        return getattr(triton, fn)(*args), triton
 
 
 def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[torch.Tensor, ...],
-                         args: tuple[Any, ...]) -> Any:
+                         args: tuple[Any, ...], slot: int) -> tuple[Any, ModuleType]:
     """Under auto, Triton runs where the measured table chose it (Helion is there too, else auto would not pick
     Triton from a table): if Triton cannot run the input, Helion does, with one warning per (op, reason); if
     Helion fails too, Triton's error is raised."""
     # failed before for this signature: straight to Helion (the signature is built only once something failed)
     if _triton_failures and _signature(fn, tensors) in _triton_failures:
-        return getattr(_module("helion", op), fn)(*args)
+        helion = registry.load(op, "helion")
+        assert not isinstance(helion, str)
+        return getattr(helion, fn)(*args), helion
     try:
-        return getattr(module, fn)(*args)
+        return getattr(module, fn)(*args), module
     except torch.OutOfMemoryError:
         raise  # not a property of the input's signature: nothing to remember or retry
+    except _plan.PlanDivergedError:
+        raise
     except Exception as e:
         if unavailable_reason(op, "helion", tensors) is not None:
             raise
-        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        reason = _reason(e)
+        _plan.rewind(slot)
+        helion = registry.load(op, "helion")
+        assert not isinstance(helion, str)
         try:
-            result = getattr(_module("helion", op), fn)(*args)
+            result = getattr(helion, fn)(*args)
         except Exception:
             raise e from None
         with _lock:
@@ -432,16 +560,19 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
                 f"hkernels.{op}: the Triton kernel (measured faster here) could not run this input ({reason}); "
                 "using the Helion kernel instead",
                 HKernelsFallbackWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return result
+        return result, helion
+
+
+# ------------------------------------------------------------------------------------------------ introspection
 
 
 def backends(op: str) -> list[str]:
     """Backends that can run ``op`` on this machine (CUDA present, or interpret mode), best first."""
     _check_op(op)
     kernels_here = torch.cuda.is_available() or _interpret.enabled()
-    out = [b for b in ("helion", "triton") if kernels_here and not isinstance(_module(b, op), str)]
+    out = [b for b in ("helion", "triton") if kernels_here and not isinstance(registry.load(op, b), str)]
     return [*out, "torch"]
 
 
@@ -463,8 +594,10 @@ def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
     """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run on now; ``.reason`` says why (asked for by
     name, measured faster on this arch for this shape bucket, a Helion failure, CPU tensors)."""
     _check_op(op)
-    bound = inspect.signature(_OPS[op]).bind(*args, **kwargs)
+    module = registry.load(op, "torch")
+    assert not isinstance(module, str)
+    bound = inspect.signature(getattr(module, op)).bind(*args, **kwargs)
     bound.apply_defaults()
-    routed = _ROUTED.get(op)
+    routed = getattr(module, "routed", None)  # where the kernel sees other tensors than the call's arguments
     tensors = routed(bound.arguments) if routed is not None else _tensors(tuple(bound.arguments.values()))
     return Selection(*select(op, requested(op), tensors))

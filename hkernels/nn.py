@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hkernels import functional
+from hkernels.functional.cross_entropy import cross_entropy
+from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy
+from hkernels.functional.geglu import geglu
+from hkernels.functional.layer_norm import layer_norm
+from hkernels.functional.rms_norm import rms_norm
+from hkernels.functional.rope import rope
+from hkernels.functional.swiglu import swiglu
 
 Tensor = torch.Tensor
 
@@ -69,7 +75,7 @@ class RMSNorm(nn.Module):
         rows = _over_last(x, self.normalized_shape, "RMSNorm")
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = None if self.weight is None else self.weight.reshape(-1)
-        return functional.rms_norm(rows, w, eps).view(x.shape)
+        return rms_norm(rows, w, eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -106,7 +112,7 @@ class LayerNorm(nn.Module):
         rows = _over_last(x, self.normalized_shape, "LayerNorm")
         w = None if self.weight is None else self.weight.reshape(-1)
         b = None if self.bias is None else self.bias.reshape(-1)
-        return functional.layer_norm(rows, w, b, self.eps).view(x.shape)
+        return layer_norm(rows, w, b, self.eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -126,7 +132,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(functional.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class GeGLUMLP(SwiGLUMLP):
@@ -139,7 +145,7 @@ class GeGLUMLP(SwiGLUMLP):
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(functional.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
 
 
 class RotaryEmbedding(nn.Module):
@@ -164,7 +170,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        return functional.rope(q, k, cos, sin)
+        return rope(q, k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}"
@@ -180,7 +186,7 @@ class CrossEntropyLoss(nn.Module):
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if input.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
-            return functional.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
+            return cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
         return F.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
                                label_smoothing=self.label_smoothing)
 
@@ -199,7 +205,7 @@ class LinearCrossEntropyLoss(nn.Module):
             raise ValueError(f"hkernels.nn.LinearCrossEntropyLoss: hidden {list(hidden.shape)} and target "
                              f"{list(target.shape)} must agree on the leading dims")
         tokens = math.prod(target.shape)
-        loss = functional.fused_linear_cross_entropy(
+        loss = fused_linear_cross_entropy(
             hidden.reshape(tokens, hidden.shape[-1]), weight, target.reshape(tokens), bias, self.ignore_index,
             self.reduction, self.label_smoothing,
         )

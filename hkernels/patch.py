@@ -39,8 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hkernels import functional
 from hkernels import nn as hnn
+from hkernels.functional import attention as _attention
+from hkernels.functional import fused_linear_cross_entropy as _linear_loss
+from hkernels.functional import geglu as _geglu
+from hkernels.functional import rope as _rope
+from hkernels.functional import swiglu as _swiglu
 
 Tensor = torch.Tensor
 
@@ -133,11 +137,11 @@ def _mlp_gate(m: nn.Module) -> str | None:
 
 
 def _swiglu_forward(self: nn.Module, x: Tensor) -> Tensor:
-    return self.down_proj(functional.swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_swiglu.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _geglu_forward(self: nn.Module, x: Tensor) -> Tensor:
-    return self.down_proj(functional.geglu(self.gate_proj(x), self.up_proj(x), "tanh"))
+    return self.down_proj(_geglu.geglu(self.gate_proj(x), self.up_proj(x), "tanh"))
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Any = None,
@@ -156,11 +160,11 @@ def apply_rotary_pos_emb_v5(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
 
 def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
     if unsqueeze_dim == 2:
-        qr, kr = functional.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qr, kr = _rope.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qr.transpose(1, 2), kr.transpose(1, 2)
     if unsqueeze_dim != 1:
         raise ValueError(f"hkernels.patch.apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
-    return functional.rope(q, k, cos, sin)
+    return _rope.rope(q, k, cos, sin)
 
 
 apply_rotary_pos_emb.hkernels = apply_rotary_pos_emb_v5.hkernels = True  # type: ignore[attr-defined]
@@ -190,7 +194,7 @@ def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels:
     hidden, shifted, output = self.hkernels_loss_inputs(input_ids, labels, **kwargs)
     head = self.lm_head
     tokens = shifted.numel()
-    loss = functional.fused_linear_cross_entropy(
+    loss = _linear_loss.fused_linear_cross_entropy(
         hidden.reshape(tokens, hidden.shape[-1]), head.weight, shifted.reshape(tokens), head.bias,
     )
     return output(loss=loss, logits=None)
@@ -198,7 +202,7 @@ def _causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, labels:
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal self-attention (q [B, Hq, S, D], k/v [B, Hk, S, D]) on :func:`hkernels.attention`."""
-    return functional.attention(q, k, v, causal=True)
+    return _attention.attention(q, k, v, causal=True)
 
 
 causal_attention.hkernels = True  # type: ignore[attr-defined]
@@ -221,7 +225,7 @@ def _hf_sdpa(original: Any) -> Any:
         if not plain:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             is_causal=is_causal, **kwargs)
-        out = functional.attention(query, key, value, causal=True, scale=scaling)
+        out = _attention.attention(query, key, value, causal=True, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
     attention.hkernels = True  # type: ignore[attr-defined]
@@ -253,7 +257,7 @@ def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *arg
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = self.lm_head
-    loss = functional.fused_linear_cross_entropy(
+    loss = _linear_loss.fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device), head.bias,
         ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
     )

@@ -32,19 +32,12 @@ def device() -> torch.device:
 
 @pytest.fixture(autouse=True)
 def _fresh_dispatch_state(monkeypatch: pytest.MonkeyPatch):
-    """Each test starts with no remembered Helion failures, no warnings already given, no routes, no env override."""
+    """Each test starts with no remembered Helion failures, no warnings already given, no routes or plans, no env
+    override: what one test's patched table or dispatcher chose must not outlive it."""
     monkeypatch.delenv("HKERNELS_BACKEND", raising=False)
-    dispatch._helion_failures.clear()
-    dispatch._helion_failed_rows.clear()
-    dispatch._triton_failures.clear()
-    dispatch._warned.clear()
-    dispatch._forget_routes()  # routes a test chose with a patched table or dispatcher must not outlive it
+    dispatch.forget()
     yield
-    dispatch._helion_failures.clear()
-    dispatch._helion_failed_rows.clear()
-    dispatch._triton_failures.clear()
-    dispatch._warned.clear()
-    dispatch._forget_routes()
+    dispatch.forget()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -2,7 +2,7 @@
 
 Tolerances are written once per dtype. A result passes when its largest error against the float64 reference
 is within ``factor`` times the error PyTorch's own computation in the same dtype makes on the same inputs
-(``hkernels.reference`` run on the low-precision tensors: float32 math, one rounding at the end), plus a floor
+(``hkernels.references`` run on the low-precision tensors: float32 math, one rounding at the end), plus a floor
 ``atol`` relative to the size of the reference (so exact-zero baselines do not demand exact results). Gradients
 get one more term: float32's floor times the size of the terms the backward subtracts (rstd·|w|·|dy| for the
 norms). The kernels compute in float32 whatever the I/O dtype, and a gradient that is mathematically 0
@@ -168,7 +168,7 @@ class Case:
     unit_upstream: bool = False  # upstream gradient exactly 1 (scalar losses)
     gpu_only: bool = False
     min_chunk: int | None = None  # fused_linear_cross_entropy: tokens per chunk, small to test several chunks
-    # PyTorch's own computation in the dtype under test, when it is not hkernels.reference's (float32 math, one
+    # PyTorch's own computation in the dtype under test, when it is not hkernels.references' (float32 math, one
     # rounding): matmul and attention round their intermediates, as every fast kernel does.
     base: Callable[..., Any] | None = None
 

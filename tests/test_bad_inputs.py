@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 from tests.conftest import ON_GPU
 from tests.specs import cast_case
 from tests.test_fuzz import MAKERS, Fixed, _with_grads, run_case
@@ -185,7 +185,7 @@ def test_more_than_2_31_elements(op, backend, device):
         pos = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
         with hkernels.use_backend(backend):
             got = torch.cat([t[:, :, pos] for t in hkernels.rope(q, k, cos, sin)], 1)
-        want = torch.cat(reference.rope(q[:, :, pos], k[:, :, pos], cos[pos], sin[pos]), 1)
+        want = torch.cat(references.rope(q[:, :, pos], k[:, :, pos], cos[pos], sin[pos]), 1)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         return
     if op == "matmul":  # the output [M, 32771] past 2³¹ elements, K small
@@ -194,7 +194,7 @@ def test_more_than_2_31_elements(op, backend, device):
         rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
         with hkernels.use_backend(backend):
             got = hkernels.matmul(a, b)[rows]
-        torch.testing.assert_close(got.float(), reference.matmul(a[rows], b).float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got.float(), references.matmul(a[rows], b).float(), atol=2e-2, rtol=2e-2)
         return
     x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device=device)
@@ -202,18 +202,18 @@ def test_more_than_2_31_elements(op, backend, device):
         if op in ("swiglu", "geglu"):
             up = torch.randn_like(x)
             got = getattr(hkernels, op)(x, up)[rows]
-            want = getattr(reference, op)(x[rows], up[rows])
+            want = getattr(references, op)(x[rows], up[rows])
         elif op == "add_rms_norm":
             res = torch.randn_like(x)
             got = hkernels.add_rms_norm(x, res)[0][rows]
-            want = reference.add_rms_norm(x[rows], res[rows])[0]
+            want = references.add_rms_norm(x[rows], res[rows])[0]
         elif op == "cross_entropy":
             target = torch.randint(0, n, (m,), device=device)
             got = hkernels.cross_entropy(x, target, reduction="none")[rows]
-            want = reference.cross_entropy(x[rows], target[rows], reduction="none")
+            want = references.cross_entropy(x[rows], target[rows], reduction="none")
         else:
             got = getattr(hkernels, op)(x)[rows]
-            want = getattr(reference, op)(x[rows])
+            want = getattr(references, op)(x[rows])
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -230,7 +230,7 @@ def _linear_loss_rows_check(tokens: int, backend: str, device: torch.device) -> 
         loss = hkernels.fused_linear_cross_entropy(h, w, target, reduction="none")
         (dh,) = torch.autograd.grad(loss, h, torch.ones_like(loss))
     h_rows = h.detach()[rows].requires_grad_(True)
-    want = reference.fused_linear_cross_entropy(h_rows, w, target[rows], reduction="none")
+    want = references.fused_linear_cross_entropy(h_rows, w, target[rows], reduction="none")
     (want_dh,) = torch.autograd.grad(want, h_rows, torch.ones_like(want))
     torch.testing.assert_close(loss[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(dh[rows].float(), want_dh.float(), atol=2e-2, rtol=2e-2)
@@ -280,8 +280,8 @@ def test_attention_more_than_2_31_elements(backend, device):
 
 
 def _break_helion_compiles(monkeypatch) -> None:
-    """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled and launched
-    (hkernels/ops/_helion.py's run, rope's own launcher). Auto's measured table is set aside, so auto picks Helion
+    """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled
+    (hkernels/ops/_helion.py's compiled, rope's own launcher). Auto's measured table is set aside, so auto picks Helion
     first: on the H200 it picks Triton for matmul, small rope and small linear-CE calls, where no Helion kernel
     would run (these tests failed there, not on a CPU, which has no table)."""
     from hkernels import dispatch
@@ -290,7 +290,7 @@ def _break_helion_compiles(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("simulated Helion compile failure")
 
-    monkeypatch.setattr(_helion, "run", broken)
+    monkeypatch.setattr(_helion, "compiled", broken)
     monkeypatch.setattr(rope, "_launch", broken)
     monkeypatch.setattr(dispatch, "_bucket", lambda op, tensors: None)
     dispatch._forget_routes()  # routes remembered from the table would skip the patched _bucket

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 
 CALLS = {
     "rms_norm": lambda m, x, w, b: m.rms_norm(x, w),
@@ -42,7 +42,7 @@ def _check(op: str, backend: str, compile_backend: str, device: torch.device) ->
     grads = [t.grad.clone() for t in (x, w, b) if t.grad is not None]
 
     xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
-    ref = (CALLS[op](reference, xr, wr, br) * 2 + 1).sum(-1)
+    ref = (CALLS[op](references, xr, wr, br) * 2 + 1).sum(-1)
     ref.sum().backward()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, [t.grad for t in (xr, wr, br) if t.grad is not None], strict=True):
@@ -126,7 +126,7 @@ def _check_llm(op: str, backend: str, compile_backend: str, device: torch.device
         grads = torch.autograd.grad(out, leaves)
         _assert_unchanged(op, "backward", inputs, before)
     ref_inputs = [x0.clone().requires_grad_(x.requires_grad) for x, x0 in zip(inputs, before, strict=True)]
-    ref = _llm_sum(getattr(reference, op)(*ref_inputs, **kwargs))
+    ref = _llm_sum(getattr(references, op)(*ref_inputs, **kwargs))
     ref_grads = torch.autograd.grad(ref, [x for x in ref_inputs if x.requires_grad])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, ref_grads, strict=True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import configs, dispatch, reference
+from hkernels import configs, dispatch, references, registry
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def test_scopes_are_per_thread(device):
 
 
 def _spy(monkeypatch, backend: str, op: str, fn: str) -> list[int]:
-    module = importlib.import_module(dispatch._MODULES[backend].format(op=op))
+    module = importlib.import_module(registry.OPS[op].module_name(backend))
     calls: list[int] = []
     real = getattr(module, fn)
 
@@ -208,7 +208,7 @@ def test_auto_falls_back_to_triton_with_one_warning(monkeypatch, device):
     x, w = _x(device), torch.randn(16, device=device)
     with pytest.warns(hkernels.HKernelsFallbackWarning, match="rms_norm.*simulated compile failure.*Triton"):
         y = hkernels.rms_norm(x, w)
-    torch.testing.assert_close(y, reference.rms_norm(x, w))
+    torch.testing.assert_close(y, references.rms_norm(x, w))
     assert hkernels.selected_backend("rms_norm", x, w) == "triton"  # the failure is remembered
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second call must not warn again
@@ -301,7 +301,7 @@ def test_auto_follows_the_measured_table(user_auto_table, monkeypatch, device):
     assert hkernels.selected_backend("softmax", large) == "helion"
     assert hkernels.selected_backend("rms_norm", small) == "helion"  # an op the table does not name
     calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
-    torch.testing.assert_close(hkernels.softmax(small), reference.softmax(small))
+    torch.testing.assert_close(hkernels.softmax(small), references.softmax(small))
     assert calls == [1]
     with hkernels.use_backend("helion"):
         assert hkernels.selected_backend("softmax", small) == "helion"
@@ -316,7 +316,7 @@ def test_auto_routes_each_shape_by_its_bucket_and_rereads_a_new_table(user_auto_
     triton_calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
     helion_calls = _spy(monkeypatch, "helion", "softmax", "softmax_fwd")
     for x in (small, small, large, large, small):
-        torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+        torch.testing.assert_close(hkernels.softmax(x), references.softmax(x))
     assert (len(triton_calls), len(helion_calls)) == (3, 2)
     user_auto_table('{"softmax": [{"max_rows": null, "max_n": null, "backend": "helion", "measured": "h"}]}')
     hkernels.softmax(small)
@@ -335,7 +335,7 @@ def test_a_route_chosen_while_the_tables_reload_is_not_kept(monkeypatch, device)
 
     monkeypatch.setattr(dispatch, "select", select_during_a_reload)
     x = _x(device)
-    torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+    torch.testing.assert_close(hkernels.softmax(x), references.softmax(x))
     assert not [key for key in dispatch._routes if key[0] == "softmax"]
     monkeypatch.setattr(dispatch, "select", real)
     hkernels.softmax(x)
@@ -348,7 +348,7 @@ def test_remembered_routes_stay_bounded(monkeypatch, device):
     monkeypatch.setattr(dispatch, "_MAX_ROUTES", 5)
     for rows in range(1, 13):
         x = torch.randn(rows, 16, device=device)
-        torch.testing.assert_close(hkernels.softmax(x), reference.softmax(x))
+        torch.testing.assert_close(hkernels.softmax(x), references.softmax(x))
         assert 0 < len(dispatch._routes) <= 5
 
 
@@ -362,7 +362,7 @@ def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table,
     assert hkernels.selected_backend("softmax", x, dim=0) == "triton"
     assert hkernels.selected_backend("softmax", x, 0) == "triton"
     calls = _spy(monkeypatch, "triton", "softmax", "softmax_fwd")
-    torch.testing.assert_close(hkernels.softmax(x, dim=0), reference.softmax(x.T).T)
+    torch.testing.assert_close(hkernels.softmax(x, dim=0), references.softmax(x.T).T)
     assert calls == [1]
 
 
@@ -380,7 +380,7 @@ def test_a_loss_backward_runs_where_its_forward_did_under_auto(user_auto_table, 
     (hkernels.cross_entropy(logits, target) * 2.0).backward()  # an upstream factor of 2: the scaling kernel runs
     assert fwd == [1] and bwd == [1]
     x64 = logits.detach().double().requires_grad_()
-    want = torch.autograd.grad(reference.cross_entropy(x64, target) * 2.0, x64)[0]
+    want = torch.autograd.grad(references.cross_entropy(x64, target) * 2.0, x64)[0]
     torch.testing.assert_close(logits.grad.double(), want, atol=1e-5, rtol=1e-4)
 
 
@@ -400,12 +400,12 @@ def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, 
     assert hkernels.selected_backend("rms_norm", x) == "triton"
     with pytest.warns(hkernels.HKernelsFallbackWarning, match="Triton kernel.*simulated.*Helion"):
         got = hkernels.rms_norm(x)
-    torch.testing.assert_close(got, reference.rms_norm(x))
+    torch.testing.assert_close(got, references.rms_norm(x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per (op, reason)
         hkernels.rms_norm(torch.randn(9, 32, device=device))  # another row count: the failure is remembered
     assert tried == [1]  # Triton was not retried
-    dispatch._triton_failures.clear()
+    dispatch.forget()  # the failure, and the plans that ran on Helion because of it
     helion = importlib.import_module("hkernels.ops.rms_norm")
     monkeypatch.setattr(helion, "rms_norm_fwd", lambda *a: (_ for _ in ()).throw(ValueError("helion too")))
     with pytest.raises(RuntimeError, match="simulated Triton compile failure"):
@@ -444,7 +444,7 @@ def test_fallback_for_one_row_length_does_not_spread(monkeypatch, device):
     hkernels.rms_norm(narrow)  # the fallback, again (now remembered)
     assert hkernels.selected_backend("rms_norm", narrow) == "triton"
     before = len(helion_calls)
-    torch.testing.assert_close(hkernels.rms_norm(wide), reference.rms_norm(wide))
+    torch.testing.assert_close(hkernels.rms_norm(wide), references.rms_norm(wide))
     assert hkernels.selected_backend("rms_norm", wide) == "helion" and len(helion_calls) == before + 1
 
 
@@ -462,4 +462,4 @@ def test_jit_trace_records_the_custom_op(device):
     x = _x(device)
     traced = torch.jit.trace(lambda t: hkernels.softmax(t), (x,), check_trace=False)
     assert "hkernels::softmax_fwd" in str(traced.graph)
-    torch.testing.assert_close(traced(x), reference.softmax(x))
+    torch.testing.assert_close(traced(x), references.softmax(x))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 
 KERNEL_BACKENDS = ["helion", "triton"]
 
@@ -33,9 +33,9 @@ def test_strided_and_transposed_inputs(backend, device):
     transposed = torch.randn(40, 6, device=device).t()  # unit stride along rows: copied first
     with hkernels.use_backend(backend):
         for x in (sliced, transposed):
-            torch.testing.assert_close(hkernels.rms_norm(x, w), reference.rms_norm(x, w))
-            torch.testing.assert_close(hkernels.layer_norm(x, w, w), reference.layer_norm(x, w, w))
-            torch.testing.assert_close(hkernels.softmax(x, 0), reference.softmax(x, 0))
+            torch.testing.assert_close(hkernels.rms_norm(x, w), references.rms_norm(x, w))
+            torch.testing.assert_close(hkernels.layer_norm(x, w, w), references.layer_norm(x, w, w))
+            torch.testing.assert_close(hkernels.softmax(x, 0), references.softmax(x, 0))
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -47,7 +47,7 @@ def test_float32_weight_with_bfloat16_input(backend, device):
         y = hkernels.rms_norm(x, w)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
-    torch.testing.assert_close(y, reference.rms_norm(x, w))
+    torch.testing.assert_close(y, references.rms_norm(x, w))
 
 
 def test_softmax_of_a_0d_tensor(device):
@@ -124,7 +124,7 @@ def test_cross_entropy_without_grad_and_second_backward(backend, device):
     logits = torch.randn(5, 30, device=device)
     target = torch.randint(0, 30, (5,), device=device)
     with hkernels.use_backend(backend):
-        torch.testing.assert_close(hkernels.cross_entropy(logits, target), reference.cross_entropy(logits, target))
+        torch.testing.assert_close(hkernels.cross_entropy(logits, target), references.cross_entropy(logits, target))
         leaf = logits.clone().requires_grad_()
         loss = hkernels.cross_entropy(leaf, target)
     loss.backward(retain_graph=True)
@@ -145,7 +145,7 @@ def test_rope_gradients_for_learned_tables(backend, device):
     got = [t.grad.clone() for t in (q, k, cos, sin)]
     for t in (q, k, cos, sin):
         t.grad = None
-    qr, kr = reference.rope(q, k, cos, sin)
+    qr, kr = references.rope(q, k, cos, sin)
     (qr.sum() * 2 + (kr * kr).sum()).backward()
     for g, t in zip(got, (q, k, cos, sin), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
@@ -213,7 +213,7 @@ def _attention_grads(backend: str, causal: bool, device: str):
             out = hkernels.attention(*leaves, causal=causal)
         runs.append(torch.autograd.grad(out, leaves, do))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(reference.attention(*leaves, causal=causal), leaves, do.double())
+    want = torch.autograd.grad(references.attention(*leaves, causal=causal), leaves, do.double())
     return runs, want
 
 

@@ -4,7 +4,7 @@ float64 reference, forward and every gradient.
 Each example draws sizes that include 0, 1, primes and rows longer than a block, a layout for the main input
 (contiguous, transposed, a column slice of a wider tensor, rows expanded from one), a dtype, and a value regime
 (normal, tiny, large, or normal with NaN / ±inf planted in the main input). What must hold:
-  - where PyTorch's own computation in the same dtype (``hkernels.reference``, or the case's baseline) gives
+  - where PyTorch's own computation in the same dtype (``hkernels.references``, or the case's baseline) gives
     NaN / +inf / -inf, hkernels' output gives the same; where it gives a finite number, so does hkernels' and
     within the suite's tolerance of the float64 reference (tests/specs.py: a small multiple of PyTorch's own
     error);
@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 from tests.conftest import ON_GPU
 from tests.specs import TOLERANCES, _torch_attention, _torch_chunked_linear_ce, _torch_matmul, cast_case, ulps
 from tests.test_llm_ops import _leaves, _outputs
@@ -96,7 +96,7 @@ class Draw:
 
 
 # One maker per op: (float64 inputs, other arguments, inputs that get a gradient, PyTorch's same-dtype baseline or
-# None for hkernels.reference's).
+# None for hkernels.references').
 Made = tuple[dict[str, Tensor], dict[str, Any], tuple[str, ...], Callable[..., Any] | None]
 
 
@@ -112,7 +112,7 @@ def _norm(op: str) -> Callable[[Draw], Made]:
 
 def _torch_softmax(x: Tensor, dim: int) -> Tensor:
     """PyTorch's native softmax in the input dtype: its backward, like hkernels', starts from the rounded output
-    (hkernels.reference's autograd keeps float32 probabilities, more than any kernel that saves y has; a column
+    (hkernels.references' autograd keeps float32 probabilities, more than any kernel that saves y has; a column
     slice at 5 × 17 bf16 was 6% past twice its error)."""
     return torch.softmax(x, dim)
 
@@ -321,8 +321,8 @@ def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
     with hkernels.use_backend(backend):
         outs, dgrads, ups = _with_grads(fn, inputs, kwargs, grads, None, d.gen, unwritten=f"{op} on {backend}")
     ins64 = {k: v.detach().double() for k, v in inputs.items()}
-    refs, ref_grads, _ = _with_grads(getattr(reference, op), ins64, kwargs, grads, ups, d.gen)
-    bases, base_grads, _ = _with_grads(base_fn or getattr(reference, op), inputs, kwargs, grads, ups, d.gen)
+    refs, ref_grads, _ = _with_grads(getattr(references, op), ins64, kwargs, grads, ups, d.gen)
+    bases, base_grads, _ = _with_grads(base_fn or getattr(references, op), inputs, kwargs, grads, ups, d.gen)
     problems = [check(f"out{i}", o.detach(), r.detach(), b.detach(), dtype)
                 for i, (o, r, b) in enumerate(zip(outs, refs, bases, strict=True))]
     finite_in = [t[torch.isfinite(t)] for t in inputs.values() if t.is_floating_point()]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import _chunked, reference
+from hkernels import _chunked, references
 from tests.specs import BACKENDS, CASES_LLM, DTYPES, cast_case, max_error
 
 Tensor = torch.Tensor
@@ -56,11 +56,11 @@ def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch)
     grads = torch.autograd.grad(outs, [ins[n] for n in case.grads], ups)  # outside the scope: follows the forward
 
     ins64 = {k: v.detach().double().requires_grad_(k in case.grads) for k, v in inputs.items()}
-    refs = _outputs(getattr(reference, case.op)(**ins64, **kwargs))
+    refs = _outputs(getattr(references, case.op)(**ins64, **kwargs))
     ref_grads = torch.autograd.grad(refs, [ins64[n] for n in case.grads], [u.double() for u in ups])
 
     base_ins = _leaves(inputs, case.grads)
-    bases = _outputs((case.base or getattr(reference, case.op))(**base_ins, **kwargs))
+    bases = _outputs((case.base or getattr(references, case.op))(**base_ins, **kwargs))
     base_grads = torch.autograd.grad(bases, [base_ins[n] for n in case.grads], ups)
 
     problems = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import reference
+from hkernels import references
 from tests.specs import BACKENDS, DTYPES, SHAPES, VARIANTS, make_inputs, max_error
 
 CASES = [
@@ -43,12 +43,12 @@ def test_forward_and_gradients(variant, shape, backend, dtype, device):
 
     x64 = x.double().requires_grad_()
     p64 = {k: v.double().requires_grad_() for k, v in params.items()}
-    ref = variant.call(reference, x64, p64)
+    ref = variant.call(references, x64, p64)
     ref.backward(dy.double())
 
     xb = x.clone().requires_grad_()
     pb = {k: v.clone().requires_grad_() for k, v in params.items()}
-    base = variant.call(reference, xb, pb)
+    base = variant.call(references, xb, pb)
     base.backward(dy)
 
     assert out.dtype == dtype and out.shape == x.shape

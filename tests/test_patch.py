@@ -51,7 +51,7 @@ def test_rms_norm_module_eps_none_is_the_dtype_eps(device):
 def test_rotary_embedding_tables_and_rotation(device):
     """cos/sin as Llama's (base^(-2i/D), both halves), no state_dict entries, rotate() = the rope reference, and
     nn.Module.apply still works on it (a static method named apply once shadowed it)."""
-    from hkernels import reference
+    from hkernels import references
 
     rot = hnn.RotaryEmbedding(16, base=10000.0).to(device)
     assert rot.state_dict() == {}
@@ -64,7 +64,7 @@ def test_rotary_embedding_tables_and_rotation(device):
     torch.testing.assert_close(sin[0], torch.cat((ang, ang), -1).sin())
     q, k = torch.randn(1, 4, 5, 16, device=device), torch.randn(1, 2, 5, 16, device=device)
     got = rot.rotate(q, k, cos, sin)
-    want = reference.rope(q, k, cos, sin)
+    want = references.rope(q, k, cos, sin)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert rot.apply(lambda m: None) is rot

@@ -142,15 +142,15 @@ def test_hf_attention_patch_runs_plain_causal_calls_and_restores(monkeypatch, de
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
-    module = importlib.import_module("hkernels.patch")
+    module = importlib.import_module("hkernels.functional.attention")
     calls = []
-    real = module.functional.attention
+    real = module.attention
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module.functional, "attention", spy)
+    monkeypatch.setattr(module, "attention", spy)
     model, ids = _tiny("llama", device)
     plain = copy.deepcopy(model)
     want = plain(input_ids=ids, labels=ids).loss

@@ -24,7 +24,8 @@ import threading
 from typing import Any
 
 import torch
-from triton import knobs
+
+from triton_fallback import _plan
 
 _I32 = 2**31
 _I64 = 2**63
@@ -84,52 +85,172 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, with Triton's per-call binding skipped after the first call for a key.
-    Runtime (non-constexpr) arguments must come by position; constexprs and launch options by keyword."""
+    Runtime (non-constexpr) arguments must come by position; constexprs and launch options by keyword.
+
+    Inside a replayed plan (``triton_fallback/_plan.py``) the compiled kernel is the one the plan recorded for
+    this launch: no key is built at all."""
     if _INTERPRETED:
         with INTERPRET_LOCK:
             kernel[grid](*args, **meta)
         return
+    cursor = _plan._cursor
+    if cursor.slots is not None and not cursor.recording:
+        go = _plan.recall(kernel)
+        if go is not None:
+            go(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, *args)
+            return
+    found = _launch_once(kernel, grid, args, meta)
+    _plan.keep(kernel, None if found is None else direct(*found))
+
+
+def _launch_once(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, Any],
+                 bound: bool = False) -> tuple[Any, tuple, int] | None:
+    """Launch through the keyed cache (compiling on a key's first call). Returns (compiled kernel, the constexpr
+    values that follow the positional arguments, device index) for launching it directly again with arguments of
+    the same specialisation; None where the launch had to go through Triton's own path. ``bound``: the caller
+    fixes the specialisation itself (a :class:`Bound`), so arguments the key cannot describe (tensor descriptors)
+    still give the compiled kernel."""
     shape = _shape(kernel)
     if shape is None or callable(grid) or _hooks():
         kernel[grid](*args, **meta)
-        return
+        return None
     n_params, constexpr_pos, runtime_names, names, defaults = shape
     key = [kernel, torch.cuda.current_device()]
     for i, a in enumerate(args):
         s = ((a.__class__, a) if isinstance(a, _VALUES) else _SLOW) if i in constexpr_pos else _spec(a)
         if s is _SLOW:
-            kernel[grid](*args, **meta)
-            return
+            compiled = kernel[grid](*args, **meta)
+            if not bound or compiled is None or not hasattr(compiled, "packed_metadata") or any(
+                    n in runtime_names for n in meta):
+                return None
+            return compiled, tuple(meta[n] if n in meta else defaults[n] for n in names[len(args):n_params]), key[1]
         key.append(s)
     for item in meta.items():
         if item[0] in runtime_names or not isinstance(item[1], _VALUES):  # not described by the key
             kernel[grid](*args, **meta)
-            return
+            return None
         key.append((item, item[1].__class__))  # the type too: True == 1 == 1.0 are one dict key, not one kernel
     key_t = tuple(key)
     hit = _COMPILED.get(key_t)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
         if compiled is None or not hasattr(compiled, "packed_metadata"):
-            return
+            return None
         # The launcher takes every parameter in order (constexprs too, which it skips): the ones after the
         # positional arguments are constant under this key.
         tail = tuple(meta[n] if n in meta else defaults[n] for n in names[len(args):n_params])
         if len(_COMPILED) >= _COMPILED_MAX:
             _COMPILED.clear()
         _COMPILED[key_t] = (compiled, tail)
-        return
+        return compiled, tail, key[1]
     compiled, tail = hit
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(key[1])
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+    return compiled, tail, key[1]
+
+
+# Launcher classes whose __call__ is (self, gridX, gridY, gridZ, stream, function, *args) and forwards to a C
+# ``launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch, profile_scratch, *args)``
+# (Triton 3.6's CudaLauncher): for kernels that need no scratch memory, the C function is called directly.
+_DIRECT_OK: dict[type, bool] = {}
+
+
+def _c_launch(run: Any) -> Any:
+    cls = type(run)
+    ok = _DIRECT_OK.get(cls)
+    if ok is None:
+        import inspect
+
+        try:
+            params = list(inspect.signature(cls.__call__).parameters)
+        except (TypeError, ValueError):
+            params = []
+        ok = _DIRECT_OK[cls] = params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and all(
+            hasattr(run, a) for a in ("launch", "launch_cooperative_grid", "launch_pdl"))
+    if ok and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+        return run.launch
+    return None
+
+
+def direct(compiled: Any, tail: tuple, device: int, grid: tuple[int, ...] | None = None) -> Any:
+    """A function launching ``compiled`` again: ``go(g0, g1, g2, *args)``, or ``go(*args)`` for a fixed ``grid``.
+    Only for arguments of the specialisation it was compiled for (a plan's)."""
+    stream = torch._C._cuda_getCurrentRawStream
+    fn, meta = compiled.function, compiled.packed_metadata
+    c = _c_launch(compiled.run)
+    if c is not None:
+        coop, pdl = compiled.run.launch_cooperative_grid, compiled.run.launch_pdl
+        if grid is None:
+            def go(g0: int, g1: int, g2: int, *args: Any) -> None:
+                c(g0, g1, g2, stream(device), fn, coop, pdl, None, None, meta, None, None, None, *args, *tail)
+            return go
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+
+        def go_fixed(*args: Any) -> None:
+            c(g0, g1, g2, stream(device), fn, coop, pdl, None, None, meta, None, None, None, *args, *tail)
+        return go_fixed
+    run = compiled.run
+    if grid is None:
+        def go_run(g0: int, g1: int, g2: int, *args: Any) -> None:
+            run(g0, g1, g2, stream(device), fn, meta, None, None, None, *args, *tail)
+        return go_run
+    f0, f1, f2 = (*grid, 1, 1)[:3]
+
+    def go_run_fixed(*args: Any) -> None:
+        run(f0, f1, f2, stream(device), fn, meta, None, None, None, *args, *tail)
+    return go_run_fixed
+
+
+class Bound:
+    """One launch of ``kernel`` with a fixed grid and constexprs, for one call signature (a plan's binding): call
+    ``.go(*args)``. The first call compiles through :func:`launch`'s keyed path; later calls go straight to the
+    compiled kernel's launcher (no key, no binding). A launch hook installed after the first call is not seen."""
+
+    __slots__ = ("go", "grid", "kernel", "meta")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], **meta: Any) -> None:
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+        self.go: Any = self._first
+
+    def _first(self, *args: Any) -> None:
+        if _INTERPRETED:
+            with INTERPRET_LOCK:
+                self.kernel[self.grid](*args, **self.meta)
+            return
+        found = _launch_once(self.kernel, self.grid, args, self.meta, bound=True)
+        if found is not None:
+            self.go = direct(*found, grid=self.grid)
+
+
+def bound_launcher() -> Any:
+    """A Helion ``_launcher`` for one bound Helion function (one call signature): each Triton kernel it launches is
+    compiled through :func:`launch`'s keyed path on its first launch, then launched directly."""
+    gos: dict[Any, Any] = {}
+
+    def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
+                 **kwargs: Any) -> None:
+        go = gos.get(triton_kernel)
+        if go is not None:
+            go(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, *args)
+            return
+        if kwargs or _INTERPRETED:
+            helion_launcher(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
+            return
+        found = _launch_once(triton_kernel, grid, args, {"num_warps": num_warps, "num_stages": num_stages})
+        if found is not None:
+            gos[triton_kernel] = direct(*found)
+
+    return launcher
 
 
 def _hooks() -> bool:
     """A launch hook is installed (a profiler's): Triton 3.6 keeps them in HookChain objects, never None, so an
     empty chain means none; an older-style plain callable counts as one."""
+    from triton import knobs
+
     rt = knobs.runtime
     for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):

@@ -11,12 +11,14 @@ Bytes: reads P·N·4, writes N·b (b: the parameter's element size).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from triton_fallback._common import cdiv
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
@@ -45,12 +47,18 @@ def _sum_partials_kernel(
 def sum_partials(part: Tensor, param: Tensor) -> Tensor:
     """part: [P, N] float32 (unit column stride), param: the parameter [N] -> the sum of part over P, [N] in
     param's dtype (summed in float32)."""
-    P, N = part.shape
-    out = torch.empty(N, dtype=param.dtype, device=part.device)
-    if N == 0:
+    return bind_sum_partials(part.shape[0], part.shape[1], param)(part, param)
+
+
+def bind_sum_partials(P: int, N: int, param: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """``sum_partials`` for a contiguous [P, N] float32 partial and a parameter of ``param``'s dtype and device, set
+    up once (its callers bind it with their own plan)."""
+    dtype, device = param.dtype, param.device
+    k = Bound(_sum_partials_kernel, (cdiv(N, BLOCK_N),), BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4)
+
+    def run(part: Tensor, param: Tensor) -> Tensor:
+        out = torch.empty(N, dtype=dtype, device=device)
+        if N:
+            k.go(part, out, P, N, part.stride(0))
         return out
-    launch(_sum_partials_kernel, (cdiv(N, BLOCK_N),),
-        part, out, P, N, part.stride(0),
-        BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4,
-    )
-    return out
+    return run

@@ -26,9 +26,7 @@ def add_rms_norm_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x, residual: [M, N] (one dtype, unit column stride), weight: [N] or None
     -> (y [M, N], s = x + residual [M, N], both in x.dtype; rstd [M] float32)."""
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y, rstd = rms_norm.launch_fwd(x, residual, s, weight, eps)
-    return y, s, rstd
+    return rms_norm.bind_fwd(x, residual, weight)(x, residual, weight, eps)
 
 
 def add_rms_norm_bwd(
@@ -36,4 +34,10 @@ def add_rms_norm_bwd(
 ) -> tuple[Tensor, Tensor | None]:
     """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
     -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None)."""
-    return rms_norm.launch_bwd(dy, ds, s, weight, rstd)
+    return rms_norm.bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+add_rms_norm_fwd.bind = (  # type: ignore[attr-defined]
+    lambda x, residual, weight, eps, stats=True: rms_norm.bind_fwd(x, residual, weight, stats))
+add_rms_norm_bwd.bind = rms_norm.bind_bwd  # type: ignore[attr-defined]

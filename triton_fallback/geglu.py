@@ -17,12 +17,14 @@ dtype. Bytes for b-byte elements: forward reads 2·M·N·b and writes M·N·b; b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._launch import launch
-from triton_fallback.swiglu import _tile, launch_settings
+from triton_fallback.swiglu import _tile, bind_gated, bind_gated_bwd
 
 Tensor = torch.Tensor
 
@@ -109,26 +111,24 @@ def _approx_tanh(approximate: str) -> bool:
 
 def geglu_fwd(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
     """gate, up: [M, N] (unit column stride, any row stride) -> y = gelu(gate)·up, [M, N] contiguous."""
-    M, N = gate.shape
-    y = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    s = launch_settings(M, N, gate.device)
-    launch(_geglu_fwd_kernel, (s.programs,),
-        gate, up, y, M, N, gate.stride(0), up.stride(0),
-        APPROX_TANH=_approx_tanh(approximate), FAST_CDF=gate.dtype != torch.float32,
-        BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-    )
-    return y
+    return _bind_fwd(gate, up, approximate)(gate, up, approximate)
 
 
 def geglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
-    M, N = gate.shape
-    dgate = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    dup = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    s = launch_settings(M, N, gate.device)
-    launch(_geglu_bwd_kernel, (s.programs,),
-        dy, gate, up, dgate, dup, M, N, dy.stride(0), gate.stride(0), up.stride(0),
-        APPROX_TANH=_approx_tanh(approximate), FAST_CDF=gate.dtype != torch.float32,
-        BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-    )
-    return dgate, dup
+    return _bind_bwd(dy, gate, up, approximate)(dy, gate, up, approximate)
+
+
+def _bind_fwd(gate: Tensor, up: Tensor, approximate: str) -> Callable[..., Tensor]:
+    return bind_gated(_geglu_fwd_kernel, gate, up, APPROX_TANH=_approx_tanh(approximate),
+                      FAST_CDF=gate.dtype != torch.float32)
+
+
+def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Callable[..., Any]:
+    return bind_gated_bwd(_geglu_bwd_kernel, dy, gate, up, APPROX_TANH=_approx_tanh(approximate),
+                          FAST_CDF=gate.dtype != torch.float32)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+geglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+geglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -14,6 +14,9 @@ kernel (``_partials.sum_partials``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +28,8 @@ from triton_fallback._common import (
     persistent_programs,
     row_settings,
 )
-from triton_fallback._launch import launch
-from triton_fallback._partials import sum_partials
+from triton_fallback._launch import Bound
+from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
 
@@ -36,6 +39,7 @@ def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,  # x, y: [M, N]; w, b: [N]; mean, rstd: [M] float32
     M, N, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_STATS: tl.constexpr,  # False for a forward no backward will follow: mean and rstd are not written
 ):
     # Resident rows: read BLOCK_M rows of x once, write y.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,15 +58,16 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=row_ok)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    if STORE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def _layer_norm_fwd_looped_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
     N, stride_x, stride_y, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
     # Long rows, one per program. Pass 1 reads the row chunk by chunk and merges each chunk's (count, mean, M2)
     # into the running ones (Chan et al.); pass 2 reads it again and writes y.
@@ -96,8 +101,9 @@ def _layer_norm_fwd_looped_kernel(
         if HAS_BIAS:
             y = y + tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    if STORE_STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -211,63 +217,102 @@ def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x: [M, N], weight/bias: [N] or None -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    w = weight if weight is not None else x
-    b = bias if bias is not None else x
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
-    s = row_settings(N, M, op="layer_norm", device=x.device)
-    if s.resident:
-        launch(_layer_norm_fwd_kernel, (cdiv(M, s.block_m),),
-            x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps,
-            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    else:
-        launch(_layer_norm_fwd_looped_kernel, (M,),
-            x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps,
-            **flags, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    return y, mean, rstd
+    return _bind_fwd(x, weight, bias, eps)(x, weight, bias, eps)
 
 
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """dy, x: [M, N]; weight/bias: [N] or None; mean, rstd: [M] -> (dx, dw or None, db or None)."""
+    return _bind_bwd(dy, x, weight, bias, mean, rstd)(dy, x, weight, bias, mean, rstd)
+
+
+def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: bool = True
+              ) -> Callable[..., Any]:
+    """``run(x, weight, bias, eps) -> (y, mean, rstd)``; with ``stats=False`` (a forward no backward follows) the
+    statistics are neither allocated nor written, and ``run`` returns y."""
     M, N = x.shape
-    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    w = weight if weight is not None else x
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None)
+    dtype, device = x.dtype, x.device
+    has_w, has_b = weight is not None, bias is not None
+    sx = x.stride(0)
+    flags = {"HAS_WEIGHT": has_w, "HAS_BIAS": has_b, "STORE_STATS": stats}
+    s = row_settings(N, M, op="layer_norm", device=device)
+    resident = s.resident
+    if resident:
+        k = Bound(_layer_norm_fwd_kernel, (cdiv(M, s.block_m),), **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                  num_warps=s.num_warps)
+    else:
+        k = Bound(_layer_norm_fwd_looped_kernel, (M,), **flags, BLOCK_N=s.block_n, num_warps=s.num_warps)
+
+    if not stats:
+        def run_y(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+            y = torch.empty((M, N), dtype=dtype, device=device)
+            w = weight if has_w else x
+            b = bias if has_b else x
+            if resident:
+                k.go(x, w, b, y, y, y, M, N, sx, N, eps)
+            else:
+                k.go(x, w, b, y, y, y, N, sx, N, eps)
+            return y
+        return run_y
+
+    def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        y = torch.empty((M, N), dtype=dtype, device=device)
+        mean = torch.empty(M, dtype=torch.float32, device=device)
+        rstd = torch.empty(M, dtype=torch.float32, device=device)
+        w = weight if has_w else x
+        b = bias if has_b else x
+        if resident:
+            k.go(x, w, b, y, mean, rstd, M, N, sx, N, eps)
+        else:
+            k.go(x, w, b, y, mean, rstd, N, sx, N, eps)
+        return y, mean, rstd
+    return run
+
+
+def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+              ) -> Callable[..., Any]:
+    M, N = x.shape
+    dtype, device = x.dtype, x.device
+    has_w, has_b = weight is not None, bias is not None
+    sdy, sx = dy.stride(0), x.stride(0)
+    flags = {"HAS_WEIGHT": has_w, "HAS_BIAS": has_b}
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
-        dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-        db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-        launch(_layer_norm_bwd_kernel, (programs,),
-            dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, cdiv(M, programs),
-            dy.stride(0), x.stride(0), dx.stride(0),
-            **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
-            num_warps=s.num_warps, num_stages=s.num_stages,
-        )
+        parts = persistent_programs(device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
+        k = Bound(_layer_norm_bwd_kernel, (parts,), **flags, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                  NUM_STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages)
+        dot = None
     else:
         s = row_settings(N, M, backward=True)
-        c1 = torch.empty(M, dtype=torch.float32, device=x.device)
-        c2 = torch.empty(M, dtype=torch.float32, device=x.device)
-        launch(_layer_norm_bwd_dot_kernel, (M,),
-            dy, x, w, mean, rstd, c1, c2, N, dy.stride(0), x.stride(0),
-            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
+        dot = Bound(_layer_norm_bwd_dot_kernel, (M,), HAS_WEIGHT=has_w, BLOCK_N=s.block_n, num_warps=s.num_warps)
         col_blocks = cdiv(N, s.block_n)
-        groups = max(1, min(M, persistent_programs(x.device, M * col_blocks, per_sm=4) // col_blocks))
-        dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
-        db_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
-        launch(_layer_norm_bwd_looped_kernel, (col_blocks, groups),
-            dy, x, w, mean, rstd, c1, c2, dx, dw_part, db_part, M, N, cdiv(M, groups),
-            dy.stride(0), x.stride(0), dx.stride(0),
-            **flags, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    dw = sum_partials(dw_part, weight) if weight is not None else None
-    db = sum_partials(db_part, bias) if bias is not None else None
-    return dx, dw, db
+        parts = max(1, min(M, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks))
+        k = Bound(_layer_norm_bwd_looped_kernel, (col_blocks, parts), **flags, BLOCK_N=s.block_n,
+                  num_warps=s.num_warps)
+    rows = cdiv(M, parts)
+    sum_dw = bind_sum_partials(parts, N, weight) if weight is not None else None
+    sum_db = bind_sum_partials(parts, N, bias) if bias is not None else None
+
+    def run(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        dx = torch.empty((M, N), dtype=dtype, device=device)
+        w = weight if has_w else x
+        dw_part = torch.empty((parts, N), dtype=torch.float32, device=device)
+        db_part = torch.empty((parts, N), dtype=torch.float32, device=device)
+        if dot is None:
+            k.go(dy, x, w, mean, rstd, dx, dw_part, db_part, M, N, rows, sdy, sx, N)
+        else:
+            c1 = torch.empty(M, dtype=torch.float32, device=device)
+            c2 = torch.empty(M, dtype=torch.float32, device=device)
+            dot.go(dy, x, w, mean, rstd, c1, c2, N, sdy, sx)
+            k.go(dy, x, w, mean, rstd, c1, c2, dx, dw_part, db_part, M, N, rows, sdy, sx, N)
+        dw = sum_dw(dw_part, weight) if sum_dw is not None else None
+        db = sum_db(db_part, bias) if sum_db is not None else None
+        return dx, dw, db
+    return run
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+layer_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+layer_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

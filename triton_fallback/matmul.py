@@ -33,6 +33,7 @@ Launch settings (``matmul_config``) are chosen by tile class, as the Helion conf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound, launch
 from triton_fallback.geglu import _normal_cdf_fast
 from triton_fallback.swiglu import _tile, launch_settings
 
@@ -364,52 +365,86 @@ def matmul_fwd(
 
     y = act(a @ b + bias) in a's dtype; z = a @ b + bias in a's dtype when ``keep_pre`` and an activation is given.
     """
+    return _bind_fwd(a, b, bias, activation, keep_pre)(a, b, bias, activation, keep_pre)
+
+
+def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+              ) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """The forward for arguments of this signature: its layouts, config, grid and tensor-descriptor blocks found
+    once; ``run(a, b, bias, activation, keep_pre)``."""
     _check(a, b, activation)
-    a3 = _readable(a) if a.dim() == 3 else _readable(a).unsqueeze(0)
-    b3 = _readable(b) if b.dim() == 3 else _readable(b).unsqueeze(0)
+    copy_a = not (a.stride(-1) == 1 or a.stride(-2) == 1)  # see _readable
+    copy_b = not (b.stride(-1) == 1 or b.stride(-2) == 1)
+    batched = a.dim() == 3
+    a3 = _readable(a) if batched else _readable(a).unsqueeze(0)
+    b3 = _readable(b) if batched else _readable(b).unsqueeze(0)
     nb, m, k = a3.shape
     n = b3.shape[2]
-    y = torch.empty((nb, m, n), dtype=a.dtype, device=a.device)
+    dtype, device = a.dtype, a.device
     keep = keep_pre and activation is not None
-    z = torch.empty_like(y) if keep else None
     out_shape = (*a.shape[:-1], n)
-    if y.numel() == 0:
-        return y.view(out_shape), None if z is None else z.view(out_shape)
-    if bias is not None:
-        bias = bias.contiguous()
+    if nb * m * n == 0:
+        def empty(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+                  ) -> tuple[Tensor, Tensor | None]:
+            y = torch.empty(out_shape, dtype=dtype, device=device)
+            return y, (torch.empty_like(y) if keep else None)
+        return empty
+    copy_bias = bias is not None and not bias.is_contiguous()
     act = activation or ""
-    upcast = interpreting() and a.dtype == torch.bfloat16
-    layouts = [_tma_layout(t) for t in (a3, b3, y)]
+    upcast = interpreting() and dtype == torch.bfloat16
+    y_example = torch.empty((nb, m, n), dtype=dtype, device="meta")  # y's layout (a fresh buffer: aligned)
+    layouts = [_tma_layout(t) for t in (a3, b3, y_example)]
     # TMA needs every operand in a suitable layout (y's rows: N a multiple of 8 elements), and K > 0
     tma = k > 0 and all(lay is not None for lay in layouts) and not layouts[2][2]
-    sms = num_sms(a.device)
-    cfg = matmul_config(m, n, k, nb, a.dtype, sms, tma)
+    sms = num_sms(device)
+    cfg = matmul_config(m, n, k, nb, dtype, sms, tma)
     tiles = nb * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    meta = {"ACTIVATION": act, "KEEP_PRE": keep, "UPCAST": upcast, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+    def operands(a: Tensor, b: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        if copy_a:
+            a = a.contiguous()
+        if copy_b:
+            b = b.contiguous()
+        if copy_bias:
+            bias = bias.contiguous()  # type: ignore[union-attr]
+        return (a, b, bias) if batched else (a.unsqueeze(0), b.unsqueeze(0), bias)
+
     if tma:
         (a_shape, a_strides, a_t), (b_shape, b_strides, b_t), (y_shape, y_strides, _) = layouts
         a_block = [1, cfg.block_k, cfg.block_m] if a_t else [1, cfg.block_m, cfg.block_k]
         b_block = [1, cfg.block_n, cfg.block_k] if b_t else [1, cfg.block_k, cfg.block_n]
         out_block = [1, cfg.block_m, cfg.block_n // cfg.subtile]
-        y_desc = TensorDescriptor(y, y_shape, y_strides, out_block)
         programs = max(1, min(tiles, sms * cfg.programs_per_sm))
-        launch(_matmul_tma_kernel, (programs,),
-            TensorDescriptor(a3, a_shape, a_strides, a_block), TensorDescriptor(b3, b_shape, b_strides, b_block),
-            y_desc, TensorDescriptor(z, y_shape, y_strides, out_block) if keep else y_desc,
-            bias, m, n, k, nb,
-            A_T=a_t, B_T=b_t, ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SUBTILE=cfg.subtile, FLATTEN=cfg.flatten, NUM_PROGRAMS=programs, WARP_SPECIALIZE=cfg.warp_specialize,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    else:
-        launch(_matmul_kernel, (tiles,),
-            a3, b3, y, z if keep else y, bias, m, n, k,
-            a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
-            ACTIVATION=act, KEEP_PRE=keep, UPCAST=upcast, EVEN_K=k % cfg.block_k == 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return y.view(out_shape), None if z is None else z.view(out_shape)
+        kt = Bound(_matmul_tma_kernel, (programs,), A_T=a_t, B_T=b_t, **meta, SUBTILE=cfg.subtile,
+                   FLATTEN=cfg.flatten, NUM_PROGRAMS=programs, WARP_SPECIALIZE=cfg.warp_specialize)
+
+        def run_tma(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+                    ) -> tuple[Tensor, Tensor | None]:
+            a3, b3, bias = operands(a, b, bias)
+            y = torch.empty((nb, m, n), dtype=dtype, device=device)
+            y_desc = TensorDescriptor(y, y_shape, y_strides, out_block)
+            z = torch.empty_like(y) if keep else None
+            kt.go(TensorDescriptor(a3, a_shape, a_strides, a_block), TensorDescriptor(b3, b_shape, b_strides, b_block),
+                  y_desc, TensorDescriptor(z, y_shape, y_strides, out_block) if keep else y_desc, bias, m, n, k, nb)
+            return y.view(out_shape), None if z is None else z.view(out_shape)
+        return run_tma
+    strides = (*a3.stride(), *b3.stride())
+    kp = Bound(_matmul_kernel, (tiles,), **meta, EVEN_K=k % cfg.block_k == 0)
+
+    def run(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+            ) -> tuple[Tensor, Tensor | None]:
+        a3, b3, bias = operands(a, b, bias)
+        y = torch.empty((nb, m, n), dtype=dtype, device=device)
+        z = torch.empty_like(y) if keep else None
+        kp.go(a3, b3, y, z if keep else y, bias, m, n, k, *strides)
+        return y.view(out_shape), None if z is None else z.view(out_shape)
+    return run
+
+
+# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+matmul_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 
 
 def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:

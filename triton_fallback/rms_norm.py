@@ -14,6 +14,9 @@ row normalised is then s = x + residual, rounded to x's dtype and written out) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +28,8 @@ from triton_fallback._common import (
     persistent_programs,
     row_settings,
 )
-from triton_fallback._launch import launch
-from triton_fallback._partials import sum_partials
+from triton_fallback._launch import Bound
+from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
 
@@ -37,6 +40,7 @@ def _rms_norm_fwd_kernel(
     M, N, stride_x, stride_y, eps,
     r_ptr, s_ptr, stride_r, stride_s,  # add_rms_norm only: the residual r and s = x + r, [M, N]
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_RSTD: tl.constexpr,  # False for a forward no backward will follow: rstd_ptr is then not written
 ):
     # Resident rows: each program reads BLOCK_M rows of x once and writes BLOCK_M rows of y. With a residual r
     # (add_rms_norm) it also reads r, and the row normalised is s = x + r rounded to x's dtype, written to s.
@@ -56,7 +60,8 @@ def _rms_norm_fwd_kernel(
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -64,7 +69,7 @@ def _rms_norm_fwd_looped_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr,
     N, stride_x, stride_y, eps,
     r_ptr, s_ptr, stride_r, stride_s,  # add_rms_norm only
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
     # Long rows, one per program: pass 1 reads the row for Σx², pass 2 reads it again and writes y. With a
     # residual, pass 1 reads x and r and writes s = x + r; pass 2 reads s back (one tensor instead of two).
@@ -93,7 +98,8 @@ def _rms_norm_fwd_looped_kernel(
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
-    tl.store(rstd_ptr + row, rstd)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -195,75 +201,119 @@ def _rms_norm_bwd_looped_kernel(
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
-    return launch_fwd(x, None, None, weight, eps)
+    return bind_fwd(x, None, weight)(x, weight, eps)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
-    return launch_bwd(dy, None, x, weight, rstd)
+    return bind_bwd(dy, None, x, weight, rstd)(dy, None, x, weight, rstd)
 
 
-def launch_fwd(
-    x: Tensor, residual: Tensor | None, summed: Tensor | None, weight: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor]:
-    """The forward's launches, shared with add_rms_norm: with a ``residual`` [M, N], the row normalised is
-    x + residual rounded to x's dtype, written to ``summed`` [M, N]. -> (y [M, N] in x.dtype, rstd [M] float32)."""
+def _bind_rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+    run = bind_bwd(dy, None, x, weight, rstd)
+    return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+rms_norm_fwd.bind = lambda x, weight, eps, stats=True: bind_fwd(x, None, weight, stats)  # type: ignore[attr-defined]
+rms_norm_bwd.bind = _bind_rms_norm_bwd  # type: ignore[attr-defined]
+
+
+def bind_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, stats: bool = True) -> Callable[..., Any]:
+    """The forward for arguments of this signature, shared with add_rms_norm. Without a residual: ``run(x, weight,
+    eps) -> (y [M, N] in x.dtype, rstd [M] float32)``. With one: ``run(x, residual, weight, eps) -> (y, s, rstd)``,
+    the row normalised being s = x + residual rounded to x's dtype, written out. ``stats=False`` (a forward no
+    backward follows): rstd is neither allocated nor written, and not returned (``y``, or ``(y, s)``)."""
     M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    w = weight if weight is not None else x
-    r, out = (residual, summed) if residual is not None else (x, x)  # unused stand-ins when there is no residual
-    s = row_settings(N, M, op="rms_norm" if residual is None else "add_rms_norm", device=x.device)
-    if s.resident:
-        launch(_rms_norm_fwd_kernel, (cdiv(M, s.block_m),),
-            x, w, y, rstd, M, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
+    dtype, device = x.dtype, x.device
+    has_w, has_r = weight is not None, residual is not None
+    sx = x.stride(0)
+    sr = residual.stride(0) if residual is not None else sx
+    s = row_settings(N, M, op="add_rms_norm" if has_r else "rms_norm", device=device)
+    meta = {"HAS_RESIDUAL": has_r, "HAS_WEIGHT": has_w, "BLOCK_N": s.block_n, "STORE_RSTD": stats,
+            "num_warps": s.num_warps}
+    resident = s.resident
+    if resident:
+        k = Bound(_rms_norm_fwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, **meta)
     else:
-        launch(_rms_norm_fwd_looped_kernel, (M,),
-            x, w, y, rstd, N, x.stride(0), y.stride(0), eps, r, out, r.stride(0), out.stride(0),
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    return y, rstd
+        k = Bound(_rms_norm_fwd_looped_kernel, (M,), **meta)
+
+    if not has_r and not stats:
+        def run_y(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+            y = torch.empty((M, N), dtype=dtype, device=device)
+            w = weight if has_w else x
+            if resident:
+                k.go(x, w, y, y, M, N, sx, N, eps, x, x, sx, sx)
+            else:
+                k.go(x, w, y, y, N, sx, N, eps, x, x, sx, sx)
+            return y
+        return run_y
+    if not has_r:
+        def run(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+            y = torch.empty((M, N), dtype=dtype, device=device)
+            rstd = torch.empty(M, dtype=torch.float32, device=device)
+            w = weight if has_w else x
+            if resident:
+                k.go(x, w, y, rstd, M, N, sx, N, eps, x, x, sx, sx)
+            else:
+                k.go(x, w, y, rstd, N, sx, N, eps, x, x, sx, sx)
+            return y, rstd
+        return run
+
+    def run_residual(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, ...]:
+        summed = torch.empty((M, N), dtype=dtype, device=device)
+        y = torch.empty((M, N), dtype=dtype, device=device)
+        rstd = torch.empty(M, dtype=torch.float32, device=device) if stats else y
+        w = weight if has_w else x
+        if resident:
+            k.go(x, w, y, rstd, M, N, sx, N, eps, residual, summed, sr, N)
+        else:
+            k.go(x, w, y, rstd, N, sx, N, eps, residual, summed, sr, N)
+        return (y, summed, rstd) if stats else (y, summed)
+    return run_residual
 
 
-def launch_bwd(
-    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-) -> tuple[Tensor, Tensor | None]:
-    """The backward's launches, shared with add_rms_norm: ``ds`` [M, N] or None is added to dx in float32
-    before the one rounding. Returns (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
+def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd) ->
+    (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)``; ``ds`` [M, N] or None is added to dx in float32
+    before the one rounding."""
     M, N = x.shape
-    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    w = weight if weight is not None else x
-    g = ds if ds is not None else dy  # an unused stand-in when there is no ds
+    dtype, device = x.dtype, x.device
+    has_w, has_ds = weight is not None, ds is not None
+    sdy, sx = dy.stride(0), x.stride(0)
+    sg = ds.stride(0) if ds is not None else sdy
     if N <= MAX_RESIDENT_BWD:
         s = persistent_bwd_settings(N, M)
-        programs = persistent_programs(x.device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
+        programs = persistent_programs(device, cdiv(M, s.block_m), per_sm=s.programs_per_sm)
         rows_per_program = cdiv(M, programs)
-        dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-        launch(_rms_norm_bwd_kernel, (programs,),
-            dy, x, w, rstd, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
-            g, g.stride(0), HAS_DS=ds is not None,
-            HAS_WEIGHT=weight is not None, BLOCK_M=s.block_m, BLOCK_N=s.block_n, NUM_STAGES=s.num_stages,
-            num_warps=s.num_warps, num_stages=s.num_stages,
-        )
-    else:
-        s = row_settings(N, M, backward=True)
-        c = torch.empty(M, dtype=torch.float32, device=x.device)
-        launch(_rms_norm_bwd_dot_kernel, (M,),
-            dy, x, w, c, N, dy.stride(0), x.stride(0),
-            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-        col_blocks = cdiv(N, s.block_n)
-        groups = max(1, min(M, persistent_programs(x.device, M * col_blocks, per_sm=4) // col_blocks))
-        rows_per_program = cdiv(M, groups)
-        dw_part = torch.empty((groups, N), dtype=torch.float32, device=x.device)
-        launch(_rms_norm_bwd_looped_kernel, (col_blocks, groups),
-            dy, x, w, rstd, c, dx, dw_part, M, N, rows_per_program, dy.stride(0), x.stride(0), dx.stride(0),
-            g, g.stride(0), HAS_DS=ds is not None,
-            HAS_WEIGHT=weight is not None, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
-    dw = sum_partials(dw_part, weight) if weight is not None else None
-    return dx, dw
+        k = Bound(_rms_norm_bwd_kernel, (programs,), HAS_DS=has_ds, HAS_WEIGHT=has_w, BLOCK_M=s.block_m,
+                  BLOCK_N=s.block_n, NUM_STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages)
+        sum_dw = bind_sum_partials(programs, N, weight) if weight is not None else None
+
+        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+                ) -> tuple[Tensor, Tensor | None]:
+            dx = torch.empty((M, N), dtype=dtype, device=device)
+            dw_part = torch.empty((programs, N), dtype=torch.float32, device=device)
+            k.go(dy, x, weight if has_w else x, rstd, dx, dw_part, M, N, rows_per_program, sdy, sx, N,
+                 ds if has_ds else dy, sg)
+            return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
+        return run
+    s = row_settings(N, M, backward=True)
+    dot = Bound(_rms_norm_bwd_dot_kernel, (M,), HAS_WEIGHT=has_w, BLOCK_N=s.block_n, num_warps=s.num_warps)
+    col_blocks = cdiv(N, s.block_n)
+    groups = max(1, min(M, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks))
+    rows_per_group = cdiv(M, groups)
+    k = Bound(_rms_norm_bwd_looped_kernel, (col_blocks, groups), HAS_DS=has_ds, HAS_WEIGHT=has_w,
+              BLOCK_N=s.block_n, num_warps=s.num_warps)
+    sum_dw = bind_sum_partials(groups, N, weight) if weight is not None else None
+
+    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+                   ) -> tuple[Tensor, Tensor | None]:
+        dx = torch.empty((M, N), dtype=dtype, device=device)
+        c = torch.empty(M, dtype=torch.float32, device=device)
+        w = weight if has_w else x
+        dot.go(dy, x, w, c, N, sdy, sx)
+        dw_part = torch.empty((groups, N), dtype=torch.float32, device=device)
+        k.go(dy, x, w, rstd, c, dx, dw_part, M, N, rows_per_group, sdy, sx, N, ds if has_ds else dy, sg)
+        return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
+    return run_looped

@@ -18,12 +18,15 @@ from L2 (Llama-3 8B, float32 tables: 2 KB of table reads per token beside 20 KB 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from triton_fallback._common import cdiv, interpreting, memo, next_pow2, num_sms, searching, tuned_settings
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
@@ -145,36 +148,47 @@ def _settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[i
             *_tile_shape(T, Hk, D, wanted * Hk // (Hq + Hk), elements), warps)
 
 
-def _rope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Callable[..., Any]:
+    """The rotation (or its transpose, ``backward``) for arguments of this signature: ``run(x_q, x_k, cos, sin) ->
+    (q_out, k_out)``."""
     B, Hq, S, D = x_q.shape
     Hk = x_k.shape[1]
     assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
     assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    qo = torch.empty((B, Hq, S, D), dtype=x_q.dtype, device=x_q.device)
-    ko = torch.empty((B, Hk, S, D), dtype=x_k.dtype, device=x_k.device)
+    qdtype, kdtype, device = x_q.dtype, x_k.dtype, x_q.device
     T = B * S
-    if T == 0:
+    tables_ok = cos.is_contiguous() and sin.is_contiguous()
+    strides = (*x_q.stride()[:3], *x_k.stride()[:3], 0 if cos.shape[0] == 1 else S * D)
+    k = None
+    if T:
+        bsq, bhq, bsk, bhk, warps = _launch_settings(T, Hq, Hk, D, device)
+        tiles = cdiv(T, bsq) * cdiv(Hq, bhq) + cdiv(T, bsk) * cdiv(Hk, bhk)
+        k = Bound(_rope_kernel, (tiles,), HALF=D // 2, BACKWARD=backward, BLOCK_HALF=next_pow2(D // 2),
+                  BLOCK_SQ=bsq, BLOCK_HQ=bhq, BLOCK_SK=bsk, BLOCK_HK=bhk, num_warps=warps)
+
+    def run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        qo = torch.empty((B, Hq, S, D), dtype=qdtype, device=device)
+        ko = torch.empty((B, Hk, S, D), dtype=kdtype, device=device)
+        if k is not None:
+            if not tables_ok:
+                cos, sin = cos.contiguous(), sin.contiguous()
+            k.go(x_q, x_k, cos, sin, qo, ko, T, S, Hq, Hk, *strides)
         return qo, ko
-    bsq, bhq, bsk, bhk, warps = _launch_settings(T, Hq, Hk, D, x_q.device)
-    tiles = cdiv(T, bsq) * cdiv(Hq, bhq) + cdiv(T, bsk) * cdiv(Hk, bhk)
-    launch(_rope_kernel, (tiles,),
-        x_q, x_k, cos, sin, qo, ko, T, S, Hq, Hk,
-        x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
-        0 if cos.shape[0] == 1 else S * D,
-        HALF=D // 2, BACKWARD=backward, BLOCK_HALF=next_pow2(D // 2),
-        BLOCK_SQ=bsq, BLOCK_HQ=bhq, BLOCK_SK=bsk, BLOCK_HK=bhk, num_warps=warps,
-    )
-    return qo, ko
+    return run
 
 
 def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """q: [B, Hq, S, D], k: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (q_rot, k_rot),
     contiguous, in q's and k's dtype."""
-    return _rope(q, k, cos, sin, backward=False)
+    return _bind(q, k, cos, sin, backward=False)(q, k, cos, sin)
 
 
 def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """dq_rot: [B, Hq, S, D], dk_rot: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (dq, dk),
     contiguous, in dq_rot's and dk_rot's dtype."""
-    return _rope(dq_rot, dk_rot, cos, sin, backward=True)
+    return _bind(dq_rot, dk_rot, cos, sin, backward=True)(dq_rot, dk_rot, cos, sin)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+rope_fwd.bind = lambda q, k, cos, sin: _bind(q, k, cos, sin, False)  # type: ignore[attr-defined]
+rope_bwd.bind = lambda dq, dk, cos, sin: _bind(dq, dk, cos, sin, True)  # type: ignore[attr-defined]

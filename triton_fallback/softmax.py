@@ -9,12 +9,14 @@ the sum when the max grows (one exp per element), pass 2 writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from triton_fallback._common import cdiv, row_settings
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
@@ -107,32 +109,56 @@ def _softmax_bwd_looped_kernel(
 
 def softmax_fwd(x: Tensor) -> Tensor:
     """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    s = row_settings(N, M, op="softmax", device=x.device)
-    if s.resident:
-        launch(_softmax_fwd_kernel, (cdiv(M, s.block_m),),
-            x, y, M, N, x.stride(0), y.stride(0), BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps
-        )
-    else:
-        launch(_softmax_fwd_looped_kernel, (M,),
-            x, y, N, x.stride(0), y.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
-        )
-    return y
+    return _bind_fwd(x)(x)
 
 
 def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     """dy, y: [M, N] -> dx [M, N] in y.dtype."""
-    M, N = y.shape
-    dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
-    s = row_settings(N, M, backward=True)
-    if s.resident:
-        launch(_softmax_bwd_kernel, (cdiv(M, s.block_m),),
-            dy, y, dx, M, N, dy.stride(0), y.stride(0), dx.stride(0),
-            BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-        )
+    return _bind_bwd(dy, y)(dy, y)
+
+
+def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
+    M, N = x.shape
+    dtype, device, sx = x.dtype, x.device, x.stride(0)
+    s = row_settings(N, M, op="softmax", device=device)
+    resident = s.resident
+    if resident:
+        k = Bound(_softmax_fwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                  num_warps=s.num_warps)
     else:
-        launch(_softmax_bwd_looped_kernel, (M,),
-            dy, y, dx, N, dy.stride(0), y.stride(0), dx.stride(0), BLOCK_N=s.block_n, num_warps=s.num_warps
-        )
-    return dx
+        k = Bound(_softmax_fwd_looped_kernel, (M,), BLOCK_N=s.block_n, num_warps=s.num_warps)
+
+    def run(x: Tensor) -> Tensor:
+        y = torch.empty((M, N), dtype=dtype, device=device)
+        if resident:
+            k.go(x, y, M, N, sx, N)
+        else:
+            k.go(x, y, N, sx, N)
+        return y
+    return run
+
+
+def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    M, N = y.shape
+    dtype, device, sdy, sy = y.dtype, y.device, dy.stride(0), y.stride(0)
+    s = row_settings(N, M, backward=True)
+    resident = s.resident
+    if resident:
+        k = Bound(_softmax_bwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                  num_warps=s.num_warps)
+    else:
+        k = Bound(_softmax_bwd_looped_kernel, (M,), BLOCK_N=s.block_n, num_warps=s.num_warps)
+
+    def run(dy: Tensor, y: Tensor) -> Tensor:
+        dx = torch.empty((M, N), dtype=dtype, device=device)
+        if resident:
+            k.go(dy, y, dx, M, N, sdy, sy, N)
+        else:
+            k.go(dy, y, dx, N, sdy, sy, N)
+        return dx
+    return run
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+softmax_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+softmax_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -15,14 +15,16 @@ with ``geglu.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
@@ -110,24 +112,45 @@ def launch_settings(M: int, N: int, device: torch.device, elements: int = 2048) 
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     """gate, up: [M, N] (unit column stride, any row stride) -> y = silu(gate)·up, [M, N] contiguous."""
-    M, N = gate.shape
-    y = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    s = launch_settings(M, N, gate.device)
-    launch(_swiglu_fwd_kernel, (s.programs,),
-        gate, up, y, M, N, gate.stride(0), up.stride(0),
-        BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-    )
-    return y
+    return bind_gated(_swiglu_fwd_kernel, gate, up)(gate, up)
 
 
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
+    return bind_gated_bwd(_swiglu_bwd_kernel, dy, gate, up)(dy, gate, up)
+
+
+def bind_gated(kernel: Any, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Tensor]:
+    """A gated forward (swiglu's, geglu's with its ``meta``) for arguments of this signature: ``run(gate, up, *_)
+    -> y [M, N]``."""
     M, N = gate.shape
-    dgate = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    dup = torch.empty((M, N), dtype=gate.dtype, device=gate.device)
-    s = launch_settings(M, N, gate.device)
-    launch(_swiglu_bwd_kernel, (s.programs,),
-        dy, gate, up, dgate, dup, M, N, dy.stride(0), gate.stride(0), up.stride(0),
-        BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps,
-    )
-    return dgate, dup
+    dtype, device, sg, su = gate.dtype, gate.device, gate.stride(0), up.stride(0)
+    s = launch_settings(M, N, device)
+    k = Bound(kernel, (s.programs,), **meta, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps)
+
+    def run(gate: Tensor, up: Tensor, *_: Any) -> Tensor:
+        y = torch.empty((M, N), dtype=dtype, device=device)
+        k.go(gate, up, y, M, N, sg, su)
+        return y
+    return run
+
+
+def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Any]:
+    """A gated backward for arguments of this signature: ``run(dy, gate, up, *_) -> (dgate, dup)``."""
+    M, N = gate.shape
+    dtype, device = gate.dtype, gate.device
+    strides = (dy.stride(0), gate.stride(0), up.stride(0))
+    s = launch_settings(M, N, device)
+    k = Bound(kernel, (s.programs,), **meta, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps)
+
+    def run(dy: Tensor, gate: Tensor, up: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+        dgate = torch.empty((M, N), dtype=dtype, device=device)
+        dup = torch.empty((M, N), dtype=dtype, device=device)
+        k.go(dy, gate, up, dgate, dup, M, N, *strides)
+        return dgate, dup
+    return run
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+swiglu_fwd.bind = lambda gate, up: bind_gated(_swiglu_fwd_kernel, gate, up)  # type: ignore[attr-defined]
+swiglu_bwd.bind = lambda dy, gate, up: bind_gated_bwd(_swiglu_bwd_kernel, dy, gate, up)  # type: ignore[attr-defined]

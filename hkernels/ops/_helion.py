@@ -18,7 +18,8 @@ import helion
 import torch
 
 from hkernels import _interpret, configs
-from triton_fallback._launch import INTERPRET_LOCK, helion_launcher
+from triton_fallback import _plan
+from triton_fallback._launch import INTERPRET_LOCK, bound_launcher, helion_launcher
 
 
 def arch_of(device: torch.device) -> str:
@@ -109,16 +110,31 @@ def record() -> Iterator[list[tuple[Any, tuple[Any, ...], int]]]:
     """Collect the (kernel, args, n) of every Helion launch in the scope: which kernels an op runs, with what."""
     global _recording
     previous, _recording = _recording, []
+    plans, _plan.enabled = _plan.enabled, False  # every launch decided afresh, so that every one is seen
     try:
         yield _recording
     finally:
         _recording = previous
+        _plan.enabled = plans
 
 
 def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
-    """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it."""
-    if _recording is not None:
-        _recording.append((kernel, args, n))
+    """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it. Inside a replayed
+    plan (``triton_fallback/_plan.py``) the compiled function is the one the plan recorded: no key is built."""
+    fn = _plan.recall(kernel)
+    if fn is None:
+        if _recording is not None:
+            _recording.append((kernel, args, n))
+        fn = compiled(kernel, args, n, device)
+        _plan.keep(kernel, fn)
+    if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
+        return fn(*args, _launcher=helion_launcher)
+    with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+        return fn(*args)
+
+
+def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
+    """``kernel`` compiled for ``args`` with its shipped config: Helion's generated host function."""
     key: tuple[Any, ...] | None = (kernel, n, _aliases(args), *[_arg_key(a) for a in args])
     try:
         fn = _compiled.get(key)
@@ -137,10 +153,16 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[key] = fn
-    if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
-        return fn(*args, _launcher=helion_launcher)
-    with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
-        return fn(*args)
+    return fn
+
+
+def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> tuple[Any, Any]:
+    """``kernel`` for arguments of this signature (a plan's binding): (Helion's generated host function, a launcher
+    for it that goes straight to each compiled Triton kernel after its first launch); call ``fn(*args,
+    _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time."""
+    if _recording is not None:
+        _recording.append((kernel, args, n))
+    return compiled(kernel, args, n, device), bound_launcher()
 
 
 def forget() -> None:

@@ -6,6 +6,8 @@ them over P in float32, in a fixed order, and writes [N] in the parameter's dtyp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
@@ -34,9 +36,27 @@ def _sum_partials(part: Tensor, param: Tensor) -> Tensor:
 def sum_partials(part: Tensor, param: Tensor) -> Tensor:
     """part: [P, N] float32 (unit column stride), param: the parameter [N] -> the sum of part over P, [N] in
     param's dtype (summed in float32)."""
+    return bind_sum_partials(part, param)(part, param)
+
+
+def bind_sum_partials(part: Tensor, param: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """``sum_partials`` for arguments of this signature, set up once (its callers bind it with their own plan)."""
     P, N = part.shape
+    dtype, device = param.dtype, param.device
     if N == 0 or P == 0:
-        return torch.zeros(N, dtype=param.dtype, device=part.device)
+        return lambda part, param: torch.zeros(N, dtype=dtype, device=device)
     if P == 1:  # the sum is the row. (Helion 1.5.0 specialises a size-1 P to a broadcast, and its code then fails.)
-        return part[0].to(param.dtype)
-    return _helion.run(_sum_partials, (part, param), N, part.device)
+        return lambda part, param: part[0].to(dtype)
+    fn, launcher = _helion.bind(_sum_partials, (part, param), N, device)
+    return lambda part, param: fn(part, param, _launcher=launcher)
+
+
+def lazy_sum_partials() -> Callable[[Tensor, Tensor], Tensor]:
+    """``sum_partials`` bound on its first call (for a partial that a bound kernel makes: same shape every call)."""
+    bound: list[Callable[[Tensor, Tensor], Tensor]] = []
+
+    def run(part: Tensor, param: Tensor) -> Tensor:
+        if not bound:
+            bound.append(bind_sum_partials(part, param))
+        return bound[0](part, param)
+    return run

@@ -14,6 +14,7 @@ writes dsum (4·M·N·b), plus a [programs, N] float32 partial of dw. Long rows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import helion
@@ -53,15 +54,7 @@ def add_rms_norm_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x, residual: [M, N] (one dtype, unit column stride), weight: [N] or None
     -> (y [M, N], s = x + residual [M, N], both in x.dtype; rstd [M] float32)."""
-    M, N = x.shape
-    if M == 1:
-        # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
-        # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
-        y, s, rstd = add_rms_norm_fwd(x.expand(2, N), residual.expand(2, N), weight, eps)
-        return y[:1], s[:1], rstd[:1]
-    s = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    y, rstd = _helion.run(_add_rms_norm_fwd, (x, residual, weight, eps, s), N, x.device)
-    return y, s, rstd
+    return _bind_fwd(x, residual, weight, eps)(x, residual, weight, eps)
 
 
 def add_rms_norm_bwd(
@@ -69,6 +62,47 @@ def add_rms_norm_bwd(
 ) -> tuple[Tensor, Tensor | None]:
     """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
     -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None)."""
+    return _bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd)
+
+
+def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, stats: bool = True
+              ) -> Callable[..., Any]:
+    """``run(x, residual, weight, eps) -> (y, s, rstd)``, or (y, s) with ``stats=False``."""
+    run = _bind_fwd_stats(x, residual, weight, eps)
+    if not stats:
+        return lambda x, residual, weight, eps: run(x, residual, weight, eps)[:2]
+    return run
+
+
+def _bind_fwd_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Callable[..., Any]:
+    M, N = x.shape
+    dtype, device = x.dtype, x.device
+    if M == 1:
+        # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
+        # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
+        two = _bind_fwd_stats(x.expand(2, N), residual.expand(2, N), weight, eps)
+
+        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+            y, s, rstd = two(x.expand(2, N), residual.expand(2, N), weight, eps)
+            return y[:1], s[:1], rstd[:1]
+        return run_one_row
+    s = torch.empty((M, N), dtype=dtype, device=device)  # an example of the sum's buffer, for binding
+    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s), N, device)
+
+    def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        s = torch.empty((M, N), dtype=dtype, device=device)
+        y, rstd = fn(x, residual, weight, eps, s, _launcher=launcher)
+        return y, s, rstd
+    return run
+
+
+def _bind_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
     if ds is None:  # rms_norm's backward at s, launched as rms_norm launches it
-        return rms_norm.rms_norm_bwd(dy, s, weight, rstd)
-    return rms_norm.run_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
+        return rms_norm.bind_bwd(rms_norm._rms_norm_bwd, rms_norm._rms_norm_bwd_looped, dy, None, s, weight, rstd)
+    return rms_norm.bind_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+add_rms_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+add_rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -17,11 +17,13 @@ dtype. Bytes for b-byte elements: forward reads 2·M·N·b and writes M·N·b; b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
-from hkernels.ops.swiglu import int64_twin, run
+from hkernels.ops.swiglu import bind, int64_twin
 
 Tensor = torch.Tensor
 
@@ -109,9 +111,26 @@ def _approx_tanh(approximate: str) -> bool:
 
 def geglu_fwd(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
     """gate, up: [M, N] (unit column stride, any row stride) -> y = gelu(gate)·up, [M, N] contiguous."""
-    return run(_geglu_fwd, _WIDE, (gate, up, _approx_tanh(approximate), gate.dtype != torch.float32))
+    return _bind_fwd(gate, up, approximate)(gate, up, approximate)
 
 
 def geglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
-    return run(_geglu_bwd, _WIDE, (dy, gate, up, _approx_tanh(approximate), gate.dtype != torch.float32))
+    return _bind_bwd(dy, gate, up, approximate)(dy, gate, up, approximate)
+
+
+def _bind_fwd(gate: Tensor, up: Tensor, approximate: str) -> Callable[..., Tensor]:
+    flags = (_approx_tanh(approximate), gate.dtype != torch.float32)
+    run = bind(_geglu_fwd, _WIDE, (gate, up, *flags))
+    return lambda gate, up, approximate: run(gate, up, *flags)
+
+
+def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    flags = (_approx_tanh(approximate), gate.dtype != torch.float32)
+    run = bind(_geglu_bwd, _WIDE, (dy, gate, up, *flags))
+    return lambda dy, gate, up, approximate: run(dy, gate, up, *flags)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+geglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+geglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

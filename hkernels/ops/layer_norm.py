@@ -11,12 +11,15 @@ and writes M·N·b (+ 8M); backward reads dy and x, writes dx, plus [programs, N
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import helion
 import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from hkernels.ops._partials import sum_partials
+from hkernels.ops._partials import lazy_sum_partials
 
 Tensor = torch.Tensor
 MAX_RESIDENT_FWD = 32768
@@ -194,31 +197,68 @@ def layer_norm_fwd(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x: [M, N], weight/bias: [N] or None -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
-    N = x.shape[1]
-    kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
-    return _helion.run(kernel, (x, weight, bias, eps), N, x.device)
+    return _bind_fwd(x, weight, bias, eps)(x, weight, bias, eps)
 
 
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """dy, x: [M, N]; weight/bias: [N] or None; mean, rstd: [M] -> (dx, dw or None, db or None)."""
+    return _bind_bwd(dy, x, weight, bias, mean, rstd)(dy, x, weight, bias, mean, rstd)
+
+
+def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: bool = True
+              ) -> Callable[..., Any]:
+    """``run(x, weight, bias, eps) -> (y, mean, rstd)``, or y alone with ``stats=False``."""
+    N = x.shape[1]
+    kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
+    fn, launcher = _helion.bind(kernel, (x, weight, bias, eps), N, x.device)
+    if not stats:
+        return lambda x, weight, bias, eps: fn(x, weight, bias, eps, _launcher=launcher)[0]
+    return lambda x, weight, bias, eps: fn(x, weight, bias, eps, _launcher=launcher)
+
+
+def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+              ) -> Callable[..., Any]:
     M, N = x.shape
+    device = x.device
     if M == 1:
-        dy, x, mean, rstd = _helion.pad_single_row(dy, x, mean, rstd)
-        dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd)
-        return dx[:1], dw, db
+        pdy, px, pmean, prstd = _helion.pad_single_row(dy, x, mean, rstd)
+        padded = _bind_bwd(pdy, px, weight, bias, pmean, prstd)
+
+        def run_one_row(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                        rstd: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+            dx, dw, db = padded(*_helion.pad_single_row(dy, x), weight, bias, *_helion.pad_single_row(mean, rstd))
+            return dx[:1], dw, db
+        return run_one_row
     with_bias = bias is not None
+    sum_dw = lazy_sum_partials() if weight is not None else None
+    sum_db = lazy_sum_partials() if bias is not None else None
+    dot = None
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm("_layer_norm_bwd", N, x.device, x.dtype))
-        dx, dw_part, db_part = _helion.run(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, x.device)
+        rows = _helion.rows_per_program(M, device, _helion.programs_per_sm("_layer_norm_bwd", N, device, x.dtype))
+        fn, launcher = _helion.bind(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, device)
     else:
-        c1, c2 = _helion.run(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, x.device)
-        block_n = _helion.config_for("_layer_norm_bwd_looped", N, x.device, x.dtype).block_sizes[0]
-        rows = _helion.rows_per_group(M, N, block_n, x.device)
-        dx, dw_part, db_part = _helion.run(
-            _layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N, x.device
-        )
-    dw = sum_partials(dw_part, weight) if weight is not None else None
-    db = sum_partials(db_part, bias) if bias is not None else None
-    return dx, dw, db
+        dot, dot_launcher = _helion.bind(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, device)
+        block_n = _helion.config_for("_layer_norm_bwd_looped", N, device, x.dtype).block_sizes[0]
+        rows = _helion.rows_per_group(M, N, block_n, device)
+        c1, c2 = (torch.empty(M, dtype=torch.float32, device=device) for _ in range(2))  # the dot's, for binding
+        fn, launcher = _helion.bind(_layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N,
+                                    device)
+
+    def run(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        if dot is None:
+            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, rows, with_bias, _launcher=launcher)
+        else:
+            c1, c2 = dot(dy, x, weight, mean, rstd, _launcher=dot_launcher)
+            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, c1, c2, rows, with_bias, _launcher=launcher)
+        dw = sum_dw(dw_part, weight) if sum_dw is not None else None
+        db = sum_db(db_part, bias) if sum_db is not None else None
+        return dx, dw, db
+    return run
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+layer_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+layer_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -46,10 +46,11 @@ import helion
 import helion.language as hl
 import torch
 
-from hkernels import _interpret, reference
+from hkernels import _interpret
+from hkernels.functional.matmul import activate
 from hkernels.ops import _helion
+from hkernels.ops.swiglu import bind as bind_elementwise
 from hkernels.ops.swiglu import int64_twin
-from hkernels.ops.swiglu import run as run_elementwise
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -257,7 +258,7 @@ def matmul_fwd(
         pre = torch.zeros((nb, m, n), dtype=torch.float32, device=a.device)
         if bias is not None:
             pre = pre + bias.to(torch.float32)
-        y.copy_(reference._activate(pre, activation))  # the same epilogue in PyTorch
+        y.copy_(activate(pre, activation))  # the same epilogue in PyTorch
         if z is not None:
             z.copy_(pre)
         return y.view(out_shape), None if z is None else z.view(out_shape)
@@ -307,5 +308,6 @@ def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
         z2 = z2.contiguous()
     if dy2.numel() == 0:
         return torch.empty(z.shape, dtype=dy.dtype, device=dy.device)
-    dz = run_elementwise(_matmul_act_bwd, _BWD_WIDE, (dy2, z2, activation, dy.dtype != torch.float32))
+    args = (dy2, z2, activation, dy.dtype != torch.float32)
+    dz = bind_elementwise(_matmul_act_bwd, _BWD_WIDE, args)(*args)
     return dz.view(z.shape)

@@ -16,6 +16,7 @@ row normalised is then s = x + residual, rounded to x's dtype and written out) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import helion
@@ -23,7 +24,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from hkernels.ops._partials import sum_partials
+from hkernels.ops._partials import lazy_sum_partials
 
 Tensor = torch.Tensor
 MAX_RESIDENT_BWD = 8192
@@ -134,32 +135,82 @@ def _rms_norm_bwd_looped(
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
-    return _helion.run(_rms_norm_fwd, (x, None, weight, eps, None), x.shape[1], x.device)
+    return _bind_fwd(x, weight, eps)(x, weight, eps)
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
-    return run_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd)
+    return _bind_bwd(dy, x, weight, rstd)(dy, x, weight, rstd)
+
+
+def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) -> Callable[..., Any]:
+    """``run(x, weight, eps) -> (y, rstd)``, or y alone with ``stats=False``."""
+    fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None), x.shape[1], x.device)
+    if not stats:
+        return lambda x, weight, eps: fn(x, None, weight, eps, None, _launcher=launcher)[0]
+    return lambda x, weight, eps: fn(x, None, weight, eps, None, _launcher=launcher)
+
+
+def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+    run = bind_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd)
+    return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+rms_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]
+
+
+def bind_bwd(
+    resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd) ->
+    (dx [M, N] in x.dtype, dw [N] or None)``. ``resident``, ``looped``: the two kernels as ``_helion.bind`` takes
+    them (add_rms_norm passes them under its own names, for its own configs); ``ds`` [M, N] or None is added to
+    dx before the one rounding."""
+    M, N = x.shape
+    device = x.device
+    if M == 1:
+        pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
+        padded = bind_bwd(resident, looped, pdy, pds, px, weight, prstd)
+
+        def run_one_row(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+                        ) -> tuple[Tensor, Tensor | None]:
+            pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
+            dx, dw = padded(pdy, pds, px, weight, prstd)
+            return dx[:1], dw
+        return run_one_row
+    sum_dw = lazy_sum_partials() if weight is not None else None
+    if N <= MAX_RESIDENT_BWD:
+        rows = _helion.rows_per_program(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
+        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, rows), N, device)
+
+        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+                ) -> tuple[Tensor, Tensor | None]:
+            dx, dw_part = fn(dy, ds, x, weight, rstd, rows, _launcher=launcher)
+            return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
+        return run
+    dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight), N, device)
+    block_n = _helion.config_for(looped.name, N, device, x.dtype).block_sizes[0]
+    groups = _helion.rows_per_group(M, N, block_n, device)
+    c = torch.empty(M, dtype=torch.float32, device=device)  # an example of the dot's output, for binding
+    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, groups), N, device)
+
+    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+                   ) -> tuple[Tensor, Tensor | None]:
+        c = dot(dy, x, weight, _launcher=dot_launcher)
+        dx, dw_part = fn(dy, ds, x, weight, rstd, c, groups, _launcher=launcher)
+        return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
+    return run_looped
+
+
+def _pad(dy: Tensor, ds: Tensor | None, x: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    pdy, px, prstd = _helion.pad_single_row(dy, x, rstd)
+    return pdy, (_helion.pad_single_row(ds)[0] if ds is not None else None), px, prstd
 
 
 def run_bwd(
     resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
 ) -> tuple[Tensor, Tensor | None]:
-    """The backward's host side, shared with add_rms_norm. ``resident``, ``looped``: the two kernels as
-    ``_helion.run`` takes them (add_rms_norm passes them under its own names, for its own configs); ``ds``
-    [M, N] or None is added to dx before the one rounding. -> (dx [M, N] in x.dtype, dw [N] or None)."""
-    M, N = x.shape
-    if M == 1:
-        dy, x, rstd = _helion.pad_single_row(dy, x, rstd)
-        ds = _helion.pad_single_row(ds)[0] if ds is not None else None
-        dx, dw = run_bwd(resident, looped, dy, ds, x, weight, rstd)
-        return dx[:1], dw
-    if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, x.device, _helion.programs_per_sm(resident.name, N, x.device, x.dtype))
-        dx, dw_part = _helion.run(resident, (dy, ds, x, weight, rstd, rows), N, x.device)
-    else:
-        c = _helion.run(_rms_norm_bwd_dot, (dy, x, weight), N, x.device)
-        block_n = _helion.config_for(looped.name, N, x.device, x.dtype).block_sizes[0]
-        rows = _helion.rows_per_group(M, N, block_n, x.device)
-        dx, dw_part = _helion.run(looped, (dy, ds, x, weight, rstd, c, rows), N, x.device)
-    return dx, (sum_partials(dw_part, weight) if weight is not None else None)
+    """:func:`bind_bwd`, run once."""
+    return bind_bwd(resident, looped, dy, ds, x, weight, rstd)(dy, ds, x, weight, rstd)

@@ -29,6 +29,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from triton_fallback import _plan
 from triton_fallback._launch import INTERPRET_LOCK, helion_launcher
 
 Tensor = torch.Tensor
@@ -90,6 +91,18 @@ _COMPILED: dict[tuple[object, ...], Callable[..., None]] = {}
 
 
 def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
+    fn = _plan.recall(_rope)  # a replayed plan: the function it compiled (see triton_fallback/_plan.py)
+    if fn is None:
+        fn = _compiled_for(args, n, device)
+        _plan.keep(_rope, fn)
+    if device.type == "cuda":
+        fn(*args, _launcher=helion_launcher)
+    else:
+        with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+            fn(*args)
+
+
+def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Callable[..., None]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     config = _helion.config_for("_rope", n, device, tensors[0].dtype)
     key = (args[-1], device, config, *(
@@ -109,11 +122,7 @@ def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
         bound = _rope.bind(args)
         fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
         _COMPILED[key] = fn
-    if device.type == "cuda":
-        fn(*args, _launcher=helion_launcher)
-    else:
-        with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
-            fn(*args)
+    return fn
 
 
 def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:

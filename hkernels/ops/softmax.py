@@ -9,6 +9,8 @@ sum when the max grows (one exp per element), pass 2 writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
@@ -72,11 +74,26 @@ def _softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
 
 def softmax_fwd(x: Tensor) -> Tensor:
     """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
-    N = x.shape[1]
-    kernel = _softmax_fwd if N <= MAX_RESIDENT_FWD else _softmax_fwd_looped
-    return _helion.run(kernel, (x,), N, x.device)
+    return _bind_fwd(x)(x)
 
 
 def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     """dy, y: [M, N] -> dx [M, N] in y.dtype."""
-    return _helion.run(_softmax_bwd, (dy, y), y.shape[1], y.device)
+    return _bind_bwd(dy, y)(dy, y)
+
+
+def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
+    N = x.shape[1]
+    kernel = _softmax_fwd if N <= MAX_RESIDENT_FWD else _softmax_fwd_looped
+    fn, launcher = _helion.bind(kernel, (x,), N, x.device)
+    return lambda x: fn(x, _launcher=launcher)
+
+
+def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    fn, launcher = _helion.bind(_softmax_bwd, (dy, y), y.shape[1], y.device)
+    return lambda dy, y: fn(dy, y, _launcher=launcher)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+softmax_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+softmax_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

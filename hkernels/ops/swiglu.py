@@ -17,6 +17,7 @@ kernel when a row offset can pass 2^31. ``geglu.py`` shares ``run``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import helion
@@ -74,19 +75,26 @@ def _spans_past_int32(t: Tensor) -> bool:
     return (t.shape[0] - 1) * t.stride(0) + t.shape[1] > _INT32_MAX
 
 
-def run(kernel: helion.Kernel, wide: dict[str, helion.Kernel], args: tuple[Any, ...]) -> Any:
-    """Run ``kernel`` on ``args`` (its [M, N] tensors first), or its int64 twin from ``wide`` when needed."""
+def bind(kernel: helion.Kernel, wide: dict[str, helion.Kernel], args: tuple[Any, ...]) -> Callable[..., Any]:
+    """``kernel`` (or its int64 twin from ``wide``, when an [M, N] tensor of ``args`` spans past 2^31 elements) for
+    arguments of this signature, shared with geglu: ``run(*args)``."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if any(_spans_past_int32(t) for t in tensors):
         kernel = wide[kernel.name]
-    return _helion.run(kernel, args, tensors[0].shape[1], tensors[0].device)
+    fn, launcher = _helion.bind(kernel, args, tensors[0].shape[1], tensors[0].device)
+    return lambda *args: fn(*args, _launcher=launcher)
 
 
 def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     """gate, up: [M, N] (unit column stride, any row stride) -> y = silu(gate)·up, [M, N] contiguous."""
-    return run(_swiglu_fwd, _WIDE, (gate, up))
+    return bind(_swiglu_fwd, _WIDE, (gate, up))(gate, up)
 
 
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
-    return run(_swiglu_bwd, _WIDE, (dy, gate, up))
+    return bind(_swiglu_bwd, _WIDE, (dy, gate, up))(dy, gate, up)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+swiglu_fwd.bind = lambda gate, up: bind(_swiglu_fwd, _WIDE, (gate, up))  # type: ignore[attr-defined]
+swiglu_bwd.bind = lambda dy, gate, up: bind(_swiglu_bwd, _WIDE, (dy, gate, up))  # type: ignore[attr-defined]

@@ -1,0 +1,349 @@
+"""What every op's functional file shares: the call path (plans, custom ops, autograd) and the argument checks.
+
+A public call ``hkernels.<op>(...)`` runs through :class:`Public`:
+
+- in a plain eager call (no ``torch.compile``, functorch transform, dispatch or function mode, jit tracing or
+  tensor subclass) it computes one key of the call's signature: the backend request, grad mode, and per argument
+  its dtype, shape, strides, pointer alignment, device and requires_grad (a scalar: its value). The first call of
+  a key checks the arguments and records a plan (``triton_fallback/_plan.py``): which path each custom op took,
+  which backend each kernel function ran on, which compiled kernel each launch used. Later calls of the key skip
+  the checks (they are properties of the signature) and replay the plan: the op's Python runs, its lookups do not.
+- each op is a pair of ``torch.library`` custom ops (``hkernels::<op>_fwd`` / ``_bwd``) with fake kernels and an
+  autograd formula, so ``torch.compile(fullgraph=True)`` traces through it; a plain eager call runs the custom ops'
+  Python bodies directly (:func:`call`), through an equivalent ``autograd.Function`` when a gradient is wanted,
+  whose backward replays a plan of its own, keyed by the incoming gradients.
+
+The request is read when the op is called and carried to the backward, so ``with use_backend("triton"): y =
+op(x)`` runs the backward on Triton too, even when ``backward()`` runs after the scope has closed. Under
+``torch.compile`` the request is read when the compiled code runs (a context variable cannot be traced).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from triton_fallback import _plan
+
+Tensor = torch.Tensor
+FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs, the input's own precision for float32 and float64: the references' math."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------- the call path
+
+
+def _modes() -> bool:
+    """A functorch transform (vmap, grad), a dispatch or function mode (FakeTensorMode, ``with torch.device(...)``)
+    or ``torch.jit.trace`` is active: these see ops through the custom-op layer."""
+    return bool(torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state() is not None)
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_PLAIN_SET = frozenset(_PLAIN)
+
+
+def _sig(a: Any) -> Any:
+    """What a call's plan depends on of one argument."""
+    t = type(a)
+    if t is Tensor or t is torch.nn.Parameter:
+        return (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.device, a.requires_grad)
+    return _other(a)
+
+
+def _other(a: Any) -> Any:
+    """_sig of an argument that is not a plain tensor."""
+    if isinstance(a, Tensor):
+        raise _NotPlain  # a subclass (DTensor, FakeTensor): the custom-op path
+    return (type(a), a)
+
+
+_MAX_PLANS = 4096  # per op: a caller whose shapes never repeat starts over past this
+_publics: list[Public] = []
+
+
+class Public:
+    """The call path of one public op: ``check(*args)`` raises on bad arguments; ``body(request, *args)`` computes
+    the op (calling its custom ops through :func:`call`); ``fast(plan, *args)``, optional, returns a function that
+    does what the recorded ``plan`` does for calls of this signature in one step (the forward of a row op whose
+    kernel function was bound: no replay, no layers), or None."""
+
+    __slots__ = ("body", "check", "fast", "op", "plans")
+
+    def __init__(self, op: str, check: Callable[..., None], body: Callable[..., Any],
+                 fast: Callable[..., Any] | None = None) -> None:
+        self.op, self.check, self.body, self.fast = op, check, body, fast
+        self.plans: dict[Any, _plan.Plan] = {}
+        _publics.append(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            self.check(*args)
+            return self.body("", *args)  # the custom ops read the request when the compiled code runs
+        request = dispatch.requested(self.op)
+        try:
+            if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
+                    or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state() is not None
+                    or not _plan.enabled):  # (_modes, inlined: this runs on every call)
+                raise _NotPlain
+            # (a list display: one frame for all arguments, per argument what _sig gives)
+            key = (request, torch.is_grad_enabled(), *[
+                (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.device, a.requires_grad)
+                if a.__class__ in _PLAIN_SET else _other(a) for a in args])
+            plan = self.plans.get(key)
+        except (_NotPlain, TypeError, AttributeError):  # a subclass, an unhashable or odd argument: no plan
+            self.check(*args)
+            return _plan.outside(self.body, request, *args)
+        if plan is not None:
+            fast = plan.fast
+            if fast is not None:
+                return fast(*args)
+            return _plan.run(plan, self.body, (request, *args))
+        self.check(*args)
+        plan = _plan.Plan()
+        generation = dispatch.generation()
+        out = _plan.run(plan, self.body, (request, *args))
+        if generation == dispatch.generation():  # the tables did not change while it recorded
+            if self.fast is not None:
+                plan.fast = self.fast(plan, *args)
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.clear()
+            self.plans[key] = plan
+        return out
+
+
+def wants_grad(*tensors: Tensor | None) -> bool:
+    """A gradient would be recorded for a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def bound(plan: _plan.Plan, fn: str) -> Callable[..., Any] | None:
+    """The bound kernel function ``fn`` that ``plan`` recorded (see :func:`hkernels.dispatch.run`), or None (not
+    recorded, or recorded unbound)."""
+    found = plan.find(fn)
+    return None if found is None or isinstance(found, types.ModuleType) else found
+
+
+def rows_view(x: Tensor) -> tuple[int, int] | None:
+    """(M, N) when x [..., N] with unit stride along N is viewable as [M, N] rows (the fast paths' condition), else
+    None."""
+    if x.dim() == 0 or x.stride(-1) != 1 or x.numel() == 0:
+        return None
+    n = x.shape[-1]
+    m = x.numel() // n
+    try:
+        x.view(m, n)
+    except RuntimeError:
+        return None
+    return m, n
+
+
+def _forget_plans() -> None:
+    for public in _publics:
+        public.plans.clear()
+
+
+dispatch.on_forget(_forget_plans)
+
+
+def request(op: str) -> str:
+    """What a custom-op call passes as its backend: the request now, or "" under torch.compile (read at run time)."""
+    return "" if torch.compiler.is_compiling() else dispatch.requested(op)
+
+
+_EAGER: dict[Any, Any] = {}  # custom op -> (equivalent autograd.Function, its apply without the Python wrapper)
+
+
+def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None]) -> None:
+    """Register ``opdef``'s autograd formula, and keep an equivalent ``autograd.Function`` for plain eager calls
+    (see :func:`call`): forward(ctx, ...) style, which torch does not bind with ``inspect.signature`` per call."""
+    opdef.register_autograd(backward, setup_context=setup)
+    impl = opdef._init_fn  # the Python body under the custom op
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = impl(*args)
+            setup(ctx, args, out)
+            # In a plan, each forward gets a table of backward plans, keyed by the gradients it receives.
+            plans = None
+            if _plan.active():
+                plans = _plan.recall(_Eager)
+                if plans is None:
+                    plans = {}
+                    _plan.keep(_Eager, plans)
+            ctx.hk_plans = plans
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            plans = ctx.hk_plans
+            if plans is None or not _plan.enabled or _modes():
+                return backward(ctx, *grads)
+            try:
+                key = (torch.is_grad_enabled(), *map(_sig, grads))
+                plan = plans.get(key)
+            except (_NotPlain, TypeError, AttributeError):
+                return _plan.outside(backward, ctx, *grads)
+            if plan is None:
+                if len(plans) >= 64:
+                    plans.clear()
+                plan = plans[key] = _plan.Plan()
+            return _plan.run(plan, backward, (ctx, *grads))
+
+    _Eager.__name__ = _Eager.__qualname__ = f"{impl.__name__}_eager"
+    # Function.apply's Python wrapper binds default arguments and unwraps functorch's dead wrappers: neither can be
+    # in play on the eager path (checked by Public and _decide), so the C++ apply is called directly.
+    _EAGER[opdef] = (_Eager, torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager))
+
+
+_WRITES: dict[Any, Callable[..., Any] | None] = {}
+
+
+def _writing_body(opdef: Any) -> Callable[..., Any] | None:
+    """For a custom op that writes into some arguments: its body, followed by bumping those arguments' version
+    counters as the custom op would (a second backward over a gradient scaled in place must fail, not reuse it).
+    None for an op that writes nothing."""
+    if opdef not in _WRITES:
+        written = [i for i, a in enumerate(opdef._opoverload._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        body = opdef._init_fn
+
+        def run(*args: Any) -> Any:
+            out = body(*args)
+            torch._C._increment_version(tuple(args[i] for i in written))
+            return out
+
+        _WRITES[opdef] = run if written else None
+    return _WRITES[opdef]
+
+
+def _decide(opdef: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
+    """How a custom op is called outside torch.compile: its Python body when nothing the custom-op layer exists for
+    is in play and no gradient is wanted; its autograd.Function when one is; else the custom op itself (which also
+    gives a gradient-wanting call of an op without an autograd formula its clear error)."""
+    if _modes():
+        return opdef
+    for a in args:
+        if isinstance(a, Tensor) and type(a) not in _PLAIN:
+            return opdef
+    wants_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+    writing = _writing_body(opdef)
+    if writing is not None:
+        return opdef if wants_grad else writing
+    if wants_grad:
+        eager = _EAGER.get(opdef)
+        return opdef if eager is None else eager[1]
+    return opdef._init_fn
+
+
+def call(opdef: Any, *args: Any) -> Any:
+    """Call custom op ``opdef``, or in a plain eager call its Python body (the custom-op layers cost 30-80 µs per
+    call, more than a kernel at decode shapes; the results are the same either way). The choice is part of a
+    plan: a replayed call makes it without looking."""
+    if torch.compiler.is_compiling():  # first: Dynamo must not trace the lookups below (a schema is untraceable)
+        return opdef(*args)
+    how = _plan.recall(opdef)
+    if how is None:
+        how = _decide(opdef, args)
+        _plan.keep(opdef, how)
+    return how(*args)
+
+
+# -------------------------------------------------------------------------------------------------- shared shapes
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """[..., N] -> [M, N] (reshape(-1, N) is ambiguous when N = 0); a 2-D x as it is (a reshape costs host time)."""
+    return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def rows(t: Tensor) -> Tensor:
+    """Kernels read rows with any stride but need unit stride along the reduced (last) dim."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def stats(x: Tensor) -> Tensor:
+    """A per-row float32 statistic of x [M, N]."""
+    return x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+def placeholder(x: Tensor) -> Tensor:
+    """Custom ops cannot return None inside a tuple: an absent gradient travels as an empty tensor."""
+    return x.new_empty(0)
+
+
+def zeros_if_none(grad: Tensor | None, like: Tensor) -> Tensor:
+    return grad if grad is not None else torch.zeros_like(like)
+
+
+# ------------------------------------------------------------------------------------------------------- checks
+
+
+def check_input(op: str, x: Any, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hkernels.{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT:
+        raise TypeError(f"hkernels.{op}: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"hkernels.{op}: x must have at least {min_dim} dimension(s), got a 0-d tensor")
+
+
+def check_param(op: str, name: str, p: Any, x: Tensor) -> None:
+    if p is None:
+        return
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"hkernels.{op}: {name} must be a torch.Tensor or None, got {type(p).__name__}")
+    if p.dtype not in FLOAT:
+        raise TypeError(f"hkernels.{op}: {name} must be a floating-point tensor, got {p.dtype}")
+    if p.shape != (x.shape[-1],):
+        raise ValueError(
+            f"hkernels.{op}: {name} must have shape [{x.shape[-1]}] (the last dim of x, shape "
+            f"{list(x.shape)}), got {list(p.shape)}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"hkernels.{op}: {name} is on {p.device} but x is on {x.device}")
+
+
+def check_eps(op: str, eps: Any) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"hkernels.{op}: eps must be a float, got {type(eps).__name__}")
+
+
+def check_tensor(op: str, name: str, t: Any, dims: tuple[int, ...] | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"hkernels.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT:
+        raise TypeError(f"hkernels.{op}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if dims is not None and t.dim() not in dims:
+        want = " or ".join(f"{d}-d" for d in dims)
+        raise ValueError(f"hkernels.{op}: {name} must be {want}, got shape {list(t.shape)}")
+
+
+def check_same(op: str, names: tuple[str, ...], *ts: Tensor, shape: bool = True) -> None:
+    first = ts[0]
+    for name, t in zip(names[1:], ts[1:], strict=True):
+        if shape and t.shape != first.shape:
+            raise ValueError(
+                f"hkernels.{op}: {names[0]} and {name} must have the same shape, got {list(first.shape)} and "
+                f"{list(t.shape)}"
+            )
+        if t.dtype != first.dtype:
+            raise TypeError(f"hkernels.{op}: {names[0]} and {name} must have the same dtype, got {first.dtype} and "
+                            f"{t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"hkernels.{op}: {name} is on {t.device} but {names[0]} is on {first.device}")

@@ -1,0 +1,168 @@
+"""add_rms_norm: a Llama block's residual add and RMS norm in one pass, ``(rms_norm(x + r) * w, x + r)``.
+
+The public function and its checks, its autograd (custom ops ``hkernels::add_rms_norm_fwd`` / ``_bwd``), then the
+reference math and the torch backend. Kernels: ``hkernels/ops/add_rms_norm.py`` (Helion),
+``triton_fallback/add_rms_norm.py`` (both the rms_norm kernels with a residual).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    as_rows,
+    autograd,
+    bound,
+    call,
+    check_eps,
+    check_input,
+    check_param,
+    check_same,
+    check_tensor,
+    compute_dtype,
+    placeholder,
+    rows,
+    rows_view,
+    stats,
+    wants_grad,
+    zeros_if_none,
+)
+from hkernels.functional.rms_norm import reference as rms_norm_reference
+from hkernels.functional.rms_norm import rms_norm_fwd
+
+OP = "add_rms_norm"
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6
+                 ) -> tuple[Tensor, Tensor]:
+    """The residual add and RMS norm of a Llama block in one pass: ``(rms_norm(x + residual) * weight, x + residual)``.
+
+    x, residual: [..., N], one shape and dtype; weight: [N] or None. The sum is rounded to x's dtype before the
+    norm (as the unfused ``h = x + residual; rms_norm(h)`` does) and returned as the next residual. Math in
+    float32. Differentiable in x, residual and weight, through both outputs.
+    """
+    return _CALLS(x, residual, weight, eps)
+
+
+def _check(x: Any, residual: Any, weight: Any, eps: Any) -> None:
+    check_input(OP, x)
+    check_tensor(OP, "residual", residual, None)
+    check_same(OP, ("x", "residual"), x, residual)
+    check_param(OP, "weight", weight, x)
+    check_eps(OP, eps)
+
+
+def _body(request: str, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    y, s, _ = call(_fwd, as_rows(x), as_rows(residual), weight, float(eps), request)
+    if y.shape == x.shape:
+        return y, s
+    return y.reshape(x.shape), s.reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+@torch.library.custom_op("hkernels::add_rms_norm_fwd", mutates_args=())
+def _fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    if x.numel() == 0:
+        return x.new_empty(x.shape), x.new_empty(x.shape), stats(x)
+    return dispatch.run(OP, "add_rms_norm_fwd", backend, rows(x), rows(residual), weight, eps)
+
+
+@_fwd.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape), stats(x)
+
+
+@torch.library.custom_op("hkernels::add_rms_norm_bwd", mutates_args=())
+def _bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, backend: str
+         ) -> tuple[Tensor, Tensor]:
+    if s.numel() == 0:
+        dw = torch.zeros_like(weight) if weight is not None else placeholder(s)
+        return s.new_zeros(s.shape), dw
+    ds = rows(ds) if ds is not None else None
+    dx, dw = dispatch.run(OP, "add_rms_norm_bwd", backend, rows(dy), ds, s, weight, rstd)
+    return dx, dw if dw is not None else placeholder(s)
+
+
+@_bwd.register_fake
+def _(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, backend: str
+      ) -> tuple[Tensor, Tensor]:
+    return s.new_empty(s.shape), (weight.new_empty(weight.shape) if weight is not None else placeholder(s))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    _x, _residual, weight, _eps, backend = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+    s, weight, rstd = ctx.saved_tensors
+    dy = zeros_if_none(dy, s)
+    dsum, dw = call(_bwd, dy, ds, s, weight, rstd, ctx.backend)
+    return dsum, dsum, (dw if weight is not None else None), None, None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual) · weight, x + residual): the residual sum rounded to x's dtype, as in a model."""
+    s = x + residual
+    return rms_norm_reference(s, weight, eps), s
+
+
+def add_rms_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """x, residual: [M, N] -> (y, s = x + residual, rstd [M] float32 of s)."""
+    s = x + residual
+    y, rstd = rms_norm_fwd(s, weight, eps)
+    return y, s, rstd
+
+
+def add_rms_norm_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
+                     ) -> tuple[Tensor, Tensor | None]:
+    """dsum = rms_norm's dx at s + ds (the gradient of x and of residual); dw."""
+    ct = compute_dtype(s.dtype)
+    sf, dyf, r = s.to(ct), dy.to(ct), rstd.to(ct)[:, None]
+    wdy = dyf * weight.to(ct) if weight is not None else dyf
+    dx = r * wdy - sf * r.pow(3) * (wdy * sf).mean(-1, keepdim=True)
+    if ds is not None:
+        dx = dx + ds.to(ct)
+    dw = (dyf * sf * r).sum(0).to(weight.dtype) if weight is not None else None
+    return dx.to(s.dtype), dw
+
+
+def _fast(plan: Any, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Any:
+    """A no-grad forward of this signature in one step: the kernel function the plan ran, bound without rstd, on
+    views of the rows."""
+    recorded, rows_of = bound(plan, "add_rms_norm_fwd"), rows_view(x)
+    if recorded is None or rows_of is None or rows_view(residual) is None or wants_grad(x, residual, weight) or (
+            type(eps) is not float):
+        return None
+    x2, r2 = (x, residual) if x.dim() == 2 else (x.view(rows_of), residual.view(rows_of))
+    run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)
+    if run is None:
+        return None
+    if x.dim() == 2:
+        return run
+    shape = x.shape
+
+    def fast(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        y, s = run(x.view(rows_of), residual.view(rows_of), weight, eps)
+        return y.view(shape), s.view(shape)
+    return fast
+
+
+_CALLS = Public(OP, _check, _body, _fast)

@@ -1,0 +1,222 @@
+"""cross_entropy: ``torch.nn.functional.cross_entropy`` for language-model logits, loss and gradient in one pass.
+
+The public function and its checks, its autograd (custom ops ``hkernels::cross_entropy_fwd``, ``_grad`` and the
+in-place ``loss_grad_scale_`` it shares with the linear loss), then the reference math and the torch backend.
+Kernels: ``hkernels/ops/cross_entropy.py`` (Helion), ``triton_fallback/cross_entropy.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import Public, Tensor, autograd, call, check_tensor, compute_dtype, placeholder, rows
+
+OP = "cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+) -> Tensor:
+    """``torch.nn.functional.cross_entropy`` for language-model logits, loss and gradient in one pass.
+
+    logits: [T, V] (tokens × vocabulary; flatten leading dims first), float16/bfloat16/float32; target: [T] class
+    indices; ``ignore_index`` tokens contribute nothing (a mean divides by the others; NaN when there are none, as
+    PyTorch). A target outside [0, V) that is not ignore_index gives NaN (PyTorch raises; checking would cost a
+    host sync). Math in float32; the loss has logits' dtype. Differentiable in logits: with reduction mean or sum
+    the gradient is written by the forward kernel while the logits are read (the logits need not be kept), and the
+    backward only scales it, in place, when the upstream gradient is not 1.
+    """
+    return _CALLS(logits, target, ignore_index, reduction, label_smoothing)
+
+
+def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
+                    label_smoothing: Any) -> None:
+    """The checks the two losses share."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"hkernels.{op}: target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"hkernels.{op}: target must hold class indices (an integer tensor), got {target.dtype}")
+    if target.shape != (t,):
+        raise ValueError(f"hkernels.{op}: target must have shape [T] = [{t}], got {list(target.shape)}")
+    if target.device != device:
+        raise ValueError(f"hkernels.{op}: target is on {target.device} but the inputs are on {device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"hkernels.{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"hkernels.{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"hkernels.{op}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+
+
+def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any) -> None:
+    check_tensor(OP, "logits", logits, (2,))
+    check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
+    if logits.shape[1] == 0:
+        raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
+
+
+def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+          label_smoothing: float) -> Tensor:
+    fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
+    loss, _ = call(_fwd, logits, target.to(torch.int64), ignore_index, float(label_smoothing), reduction, fused,
+                   request)
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+def loss_scale(target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    """(valid-token count, the gradient's factor per token [T] float32): 1/count for a mean, else 1.
+
+    Both stay on the device: no host sync, so a call can be captured in a CUDA graph.
+    """
+    count = (target != ignore_index).sum()
+    T = target.shape[0]
+    if reduction == "mean":
+        return count, (1.0 / count.to(torch.float32)).reshape(1).expand(T)
+    return count, torch.ones(1, dtype=torch.float32, device=target.device).expand(T)
+
+
+def reduce(loss: Tensor, count: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    if reduction == "mean":
+        return (loss.sum() / count).to(dtype)  # 0/0 = NaN when every target is ignored, as in PyTorch
+    if reduction == "sum":
+        return loss.sum().to(dtype)
+    return loss.to(dtype)
+
+
+def loss_like(logits: Tensor, t: int, reduction: str) -> Tensor:
+    return logits.new_empty(() if reduction != "none" else (t,))
+
+
+@torch.library.custom_op("hkernels::cross_entropy_fwd", mutates_args=())
+def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
+         backend: str) -> tuple[Tensor, Tensor]:
+    count, scale = loss_scale(target, ignore_index, reduction)
+    # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
+    # logits' empty_like would not have it).
+    grad = logits.new_empty(logits.shape) if fused_grad else None
+    if logits.numel() == 0:
+        loss = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    else:
+        loss = dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, scale, ignore_index,
+                            label_smoothing, grad)
+    return reduce(loss, count, reduction, logits.dtype), grad if grad is not None else placeholder(logits)
+
+
+@_fwd.register_fake
+def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
+      backend: str) -> tuple[Tensor, Tensor]:
+    grad = logits.new_empty(logits.shape) if fused_grad else placeholder(logits)
+    return loss_like(logits, logits.shape[0], reduction), grad
+
+
+@torch.library.custom_op("hkernels::cross_entropy_grad", mutates_args=())
+def _grad(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+          backend: str) -> Tensor:
+    # reduction="none": the gradient is made in the backward, scaled per token by dloss as it is written.
+    grad = logits.new_empty(logits.shape)  # contiguous (see _fwd)
+    if logits.numel():
+        dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, dloss.float(), ignore_index,
+                     label_smoothing, grad)
+    return grad
+
+
+@_grad.register_fake
+def _(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+      backend: str) -> Tensor:
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("hkernels::loss_grad_scale_", mutates_args=("grad",))
+def loss_grad_scale_(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
+    """grad *= dloss (a 0-d factor), in place, by ``op``'s backward kernel; nothing moves when the factor is exactly
+    1 (a plain loss.backward())."""
+    if grad.numel():
+        rows2d = grad.reshape(-1, grad.shape[-1]) if grad.dim() > 1 else grad.reshape(1, -1)
+        dispatch.run(op, f"{op}_bwd", backend, dloss.float().reshape(1).expand(rows2d.shape[0]), rows2d)
+
+
+@loss_grad_scale_.register_fake
+def _(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
+    return None
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    logits, target, ignore_index, label_smoothing, _reduction, fused_grad, backend = inputs
+    ctx.fused, ctx.backend = fused_grad, backend
+    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+    # The fused path keeps only the gradient; the logits can be freed once the loss is known.
+    ctx.save_for_backward(*((output[1],) if fused_grad else (logits, target)))
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None) -> tuple[Tensor | None, ...]:
+    if dloss is None:
+        return (None,) * 7
+    if ctx.fused:
+        (grad,) = ctx.saved_tensors
+        call(loss_grad_scale_, grad, dloss, OP, ctx.backend)
+    else:
+        logits, target = ctx.saved_tensors
+        dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
+        grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.backend)
+    return grad, None, None, None, None, None, None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+) -> Tensor:
+    """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits)."""
+    ct = compute_dtype(logits.dtype)
+    loss = torch.nn.functional.cross_entropy(
+        logits.to(ct), target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+    return loss.to(logits.dtype)
+
+
+def cross_entropy_fwd(
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+) -> Tensor:
+    """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits).
+
+    An out-of-range target (not ignore_index) gives a NaN loss and gradient row, as the kernels do.
+    """
+    ct = compute_dtype(logits.dtype)
+    V = logits.shape[1]
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < V)
+    safe = torch.where(valid & in_range, target, 0)
+    logp = torch.log_softmax(logits.to(ct), dim=-1)
+    picked = logp.gather(1, safe[:, None])[:, 0]
+    loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
+    bad = valid & ~in_range
+    loss = torch.where(valid, torch.where(bad, float("nan"), loss), 0.0).float()
+    if grad is None:
+        return loss
+    g = logp.exp() - label_smoothing / V
+    g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -(1 - label_smoothing)))
+    s = torch.where(valid, torch.where(bad, float("nan"), scale.to(ct)), 0.0)
+    grad.copy_(g * s[:, None])
+    return loss
+
+
+def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, V] *= dloss [R], in place."""
+    ct = compute_dtype(grad.dtype)
+    return grad.copy_(grad.to(ct) * dloss.to(ct)[:, None])
+
+
+_CALLS = Public(OP, _check, _body)

@@ -1,0 +1,204 @@
+"""fused_linear_cross_entropy: ``cross_entropy(hidden @ weight.T + bias, target)`` without the [T, V] logits.
+
+The public function and its checks, its autograd (custom ops ``hkernels::fused_linear_cross_entropy_fwd`` and
+``_grad``), then the reference math and the torch backend. The chunk loop every backend shares is
+``hkernels/_chunked.py``; the backends supply the cross-entropy kernel (``hkernels/ops/cross_entropy.py``,
+``triton_fallback/cross_entropy.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    autograd,
+    call,
+    check_same,
+    check_tensor,
+    compute_dtype,
+    placeholder,
+    rows,
+)
+from hkernels.functional.cross_entropy import (
+    check_loss_args,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    loss_grad_scale_,
+    loss_like,
+    loss_scale,
+    reduce,
+)
+from hkernels.functional.cross_entropy import reference as cross_entropy_reference
+
+OP = "fused_linear_cross_entropy"
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the [T, V] logits.
+
+    hidden: [T, H] (flatten leading dims first), weight: [V, H] (the LM head), bias: [V] or None, one dtype;
+    target: [T]. Tokens are processed in chunks: per chunk a cuBLAS matmul makes the logits, the cross-entropy
+    kernel overwrites them with their gradient, and two more matmuls accumulate the gradients of hidden, weight
+    and bias — computed during the forward when gradients are needed (reduction mean or sum; the backward then
+    only scales them), or recomputed chunk by chunk in the backward (reduction none). Extra memory: the gradients
+    plus one chunk of logits. The loss is float32 (float64 for float64 input), as Hugging Face's and Liger's
+    losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias.
+    """
+    return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing)
+
+
+def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
+           label_smoothing: Any) -> None:
+    check_tensor(OP, "hidden", hidden, (2,))
+    check_tensor(OP, "weight", weight, (2,))
+    T, H = hidden.shape
+    if weight.shape[1] != H:
+        raise ValueError(f"hkernels.fused_linear_cross_entropy: weight must be [V, H] with H = {H} (hidden's last "
+                         f"dim), got {list(weight.shape)}")
+    check_same(OP, ("hidden", "weight"), hidden, weight, shape=False)
+    if bias is not None:
+        check_tensor(OP, "bias", bias, (1,))
+        check_same(OP, ("hidden", "bias"), hidden, bias, shape=False)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"hkernels.fused_linear_cross_entropy: bias must be [V] = [{weight.shape[0]}], got "
+                             f"{list(bias.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("hkernels.fused_linear_cross_entropy: weight has no classes (V = 0)")
+    check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
+
+
+def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+          reduction: str, label_smoothing: float) -> Tensor:
+    wants_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    loss, *_ = call(_fwd, hidden, weight, target.to(torch.int64), bias, ignore_index, float(label_smoothing),
+                    reduction, wants_grad and reduction != "none", request)
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+@torch.library.custom_op("hkernels::fused_linear_cross_entropy_fwd", mutates_args=())
+def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+         label_smoothing: float, reduction: str, fused_grad: bool, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    count, scale = loss_scale(target, ignore_index, reduction)
+    loss, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target,
+                                    bias, scale, ignore_index, label_smoothing, fused_grad)
+    loss = reduce(loss, count, reduction, compute_dtype(hidden.dtype))
+    return loss, *(g if g is not None else placeholder(hidden) for g in (dh, dw, db))
+
+
+@_fwd.register_fake
+def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, label_smoothing: float,
+      reduction: str, fused_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = (
+        (torch.empty_like(hidden), torch.empty_like(weight),
+         torch.empty_like(bias) if bias is not None else placeholder(hidden))
+        if fused_grad else tuple(placeholder(hidden) for _ in range(3))
+    )
+    loss = loss_like(hidden, hidden.shape[0], reduction).to(compute_dtype(hidden.dtype))
+    return loss, *grads
+
+
+@torch.library.custom_op("hkernels::fused_linear_cross_entropy_grad", mutates_args=())
+def _grad(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+          label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # reduction="none": recompute each chunk's logits in the backward, with the gradient scaled per token.
+    _, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target, bias,
+                                 dloss.float(), ignore_index, label_smoothing, True)
+    return dh, dw, db if db is not None else placeholder(hidden)
+
+
+@_grad.register_fake
+def _(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+      label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty_like(hidden), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else placeholder(hidden))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, backend = inputs
+    ctx.fused, ctx.backend, ctx.has_bias = fused_grad, backend, bias is not None
+    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+    ctx.save_for_backward(*(output[1:] if fused_grad else (hidden, weight, target, bias)))
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    if dloss is None:
+        return (None,) * 9
+    if ctx.fused:
+        dh, dw, db = ctx.saved_tensors
+        for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
+            call(loss_grad_scale_, g, dloss, OP, ctx.backend)
+    else:
+        hidden, weight, target, bias = ctx.saved_tensors
+        dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
+        dh, dw, db = call(_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
+                          ctx.backend)
+    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
+    rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
+    as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
+                                   label_smoothing)
+
+
+def fused_linear_cross_entropy_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    with_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Chunked over tokens (the [T, V] logits never exist at once); see hkernels/_chunked.py."""
+    from hkernels import _chunked
+
+    return _chunked.linear_cross_entropy(
+        hidden, weight, target, bias, scale, ignore_index, label_smoothing, with_grad, cross_entropy_fwd
+    )
+
+
+def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+    """grad [R, C] *= dloss [R], in place."""
+    return cross_entropy_bwd(dloss, grad)
+
+
+_CALLS = Public(OP, _check, _body)

@@ -1,0 +1,148 @@
+"""rms_norm: ``x / sqrt(mean(x²) + eps) * weight`` over the last dim.
+
+The public function and its checks, its autograd (custom ops ``hkernels::rms_norm_fwd`` / ``_bwd``), then the
+reference math and the torch backend. Kernels: ``hkernels/ops/rms_norm.py`` (Helion), ``triton_fallback/rms_norm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    as_rows,
+    autograd,
+    bound,
+    call,
+    check_eps,
+    check_input,
+    check_param,
+    compute_dtype,
+    placeholder,
+    rows,
+    rows_view,
+    stats,
+    wants_grad,
+)
+
+OP = "rms_norm"
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * weight``.
+
+    x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight: [N] or None. Math in float32;
+    the result has x's dtype and shape. Differentiable in x and weight.
+    """
+    return _CALLS(x, weight, eps)
+
+
+def _check(x: Any, weight: Any, eps: Any) -> None:
+    check_input(OP, x)
+    check_param(OP, "weight", weight, x)
+    check_eps(OP, eps)
+
+
+def _body(request: str, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    y, _ = call(_fwd, as_rows(x), weight, float(eps), request)
+    return y if y.shape == x.shape else y.reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+@torch.library.custom_op("hkernels::rms_norm_fwd", mutates_args=())
+def _fwd(x: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor]:
+    if x.numel() == 0:
+        return x.new_empty(x.shape), stats(x)
+    return dispatch.run(OP, "rms_norm_fwd", backend, rows(x), weight, eps)
+
+
+@_fwd.register_fake
+def _(x: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), stats(x)
+
+
+@torch.library.custom_op("hkernels::rms_norm_bwd", mutates_args=())
+def _bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    if x.numel() == 0:
+        dw = torch.zeros_like(weight) if weight is not None else placeholder(x)
+        return x.new_zeros(x.shape), dw
+    dx, dw = dispatch.run(OP, "rms_norm_bwd", backend, rows(dy), rows(x), weight, rstd)
+    return dx, dw if dw is not None else placeholder(x)
+
+
+@_bwd.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else placeholder(x))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, _eps, backend = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.backend = backend
+
+
+def _backward(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Tensor | None, ...]:
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = call(_bwd, dy, x, weight, rstd, ctx.backend)
+    return dx, (dw if weight is not None else None), None, None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """y = x / sqrt(mean(x², last dim) + eps) * weight.  x: [..., N], weight: [N]. Math in float32 for 16-bit
+    inputs, in x's own precision otherwise (so float64 inputs give the float64 truth)."""
+    xf = x.to(compute_dtype(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(xf.dtype)
+    return y.to(x.dtype)
+
+
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """x: [M, N] -> (y [M, N] in x.dtype, rstd [M] float32)."""
+    xf = x.to(compute_dtype(x.dtype))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    y = xf * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(xf.dtype)
+    return y.to(x.dtype), rstd.float()
+
+
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+    """dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x);  dw = Σ_rows dy·x·rstd."""
+    ct = compute_dtype(x.dtype)
+    xf, dyf, r = x.to(ct), dy.to(ct), rstd.to(ct)[:, None]
+    wdy = dyf * weight.to(ct) if weight is not None else dyf
+    dx = r * wdy - xf * r.pow(3) * (wdy * xf).mean(-1, keepdim=True)
+    dw = (dyf * xf * r).sum(0).to(weight.dtype) if weight is not None else None
+    return dx.to(x.dtype), dw
+
+
+def _fast(plan: Any, x: Tensor, weight: Tensor | None, eps: float) -> Any:
+    """A no-grad forward of this signature in one step: the kernel function the plan ran, bound without rstd, on a
+    view of x's rows."""
+    recorded, rows_of = bound(plan, "rms_norm_fwd"), rows_view(x)
+    if recorded is None or rows_of is None or wants_grad(x, weight) or type(eps) is not float:
+        return None
+    x2 = x if x.dim() == 2 else x.view(rows_of)
+    run = dispatch.rebind(recorded, "rms_norm_fwd", x2, weight, eps, stats=False)
+    if run is None:
+        return None
+    if x.dim() == 2:
+        return run
+    shape = x.shape
+    return lambda x, weight, eps: run(x.view(rows_of), weight, eps).view(shape)
+
+
+_CALLS = Public(OP, _check, _body, _fast)

@@ -1,0 +1,193 @@
+"""rope: rotary position embedding in Hugging Face's rotate_half convention, ``x·cos + rotate_half(x)·sin``.
+
+The public function and its checks, its autograd (custom ops ``hkernels::rope_fwd`` / ``_bwd``), then the
+reference math and the torch backend. Kernels: ``hkernels/ops/rope.py`` (Helion), ``triton_fallback/rope.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    autograd,
+    bound,
+    call,
+    check_same,
+    check_tensor,
+    compute_dtype,
+    wants_grad,
+)
+
+OP = "rope"
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding in Hugging Face's rotate_half convention: ``x·cos + rotate_half(x)·sin``.
+
+    q: [B, Hq, S, D], k: [B, Hk, S, D] (Hk may differ from Hq: GQA), one dtype, D even; any strides with unit
+    stride along D (e.g. ``x.view(B, S, H, D).transpose(1, 2)``) are read in place. cos, sin: [S, D] or [B, S, D]
+    (any float dtype: float32 tables with bfloat16 q are fine). Returns (q_rot, k_rot), contiguous, in q's dtype.
+    Differentiable in q and k (and in cos/sin, by PyTorch ops, when they require grad).
+    """
+    return _CALLS(q, k, cos, sin)
+
+
+def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
+    for name, t in (("q", q), ("k", k)):
+        check_tensor(OP, name, t, (4,))
+    check_same(OP, ("q", "k"), q, k, shape=False)
+    B, _, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"hkernels.rope: q [B, Hq, S, D] = {list(q.shape)} and k [B, Hk, S, D] = {list(k.shape)} "
+                         "must agree on B, S and D")
+    if D % 2:
+        raise ValueError(f"hkernels.rope: the head dim D must be even (rotate_half splits it), got {D}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(OP, name, t, (2, 3))
+        if t.shape[-2:] != (S, D) or (t.dim() == 3 and t.shape[0] not in (1, B)):
+            raise ValueError(f"hkernels.rope: {name} must be [S, D] = [{S}, {D}] or [B, S, D] = [{B}, {S}, {D}], "
+                             f"got {list(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"hkernels.rope: {name} is on {t.device} but q is on {q.device}")
+    if _table(cos).shape != _table(sin).shape:
+        raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+
+
+def _table(t: Tensor) -> Tensor:
+    """[S, D] or [B, S, D] -> [1 or B, S, D], contiguous."""
+    return (t if t.dim() == 3 else t.unsqueeze(0)).contiguous()
+
+
+def _body(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return call(_fwd, q, k, _table(cos), _table(sin), request)
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+def _d_unit(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("hkernels::rope_fwd", mutates_args=())
+def _fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0:  # nothing for a kernel to do (the other tensor is tiny then too)
+        return dispatch.run(OP, "rope_fwd", "torch", q, k, cos, sin)
+    return dispatch.run(OP, "rope_fwd", backend, _d_unit(q), _d_unit(k), cos, sin)
+
+
+@_fwd.register_fake
+def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("hkernels::rope_bwd", mutates_args=())
+def _bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dispatch.run(OP, "rope_bwd", "torch", dq, dk, cos, sin)
+    return dispatch.run(OP, "rope_bwd", backend, _d_unit(dq), _d_unit(dk), cos, sin)
+
+
+@_bwd.register_fake
+def _(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, cos, sin, backend = inputs
+    tables_need_grad = any(ctx.needs_input_grad[2:4])
+    ctx.save_for_backward(cos, sin, *((q, k) if tables_need_grad else ()))
+    ctx.backend = backend
+    ctx.q_shape, ctx.k_shape, ctx.q_dtype = q.shape, k.shape, q.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dq_rot: Tensor | None, dk_rot: Tensor | None) -> tuple[Tensor | None, ...]:
+    cos, sin, *qk = ctx.saved_tensors
+    dq_rot = dq_rot if dq_rot is not None else cos.new_zeros(ctx.q_shape, dtype=ctx.q_dtype)
+    dk_rot = dk_rot if dk_rot is not None else cos.new_zeros(ctx.k_shape, dtype=ctx.q_dtype)
+    dq, dk = call(_bwd, dq_rot, dk_rot, cos, sin, ctx.backend)
+    dcos = dsin = None
+    if qk:
+        # Learned rotary tables (rare): their gradients by PyTorch ops, summed over heads (and the batch when shared).
+        q, k = qk
+        dcos, dsin = _table_grads(q, k, dq_rot, dk_rot, cos)
+    return dq, dk, dcos, dsin, None
+
+
+def _table_grads(q: Tensor, k: Tensor, dq: Tensor, dk: Tensor, cos: Tensor) -> tuple[Tensor, Tensor]:
+    ct = torch.promote_types(cos.dtype, torch.float32)
+    qf, kf, dqf, dkf = (t.to(ct) for t in (q, k, dq, dk))
+    dcos = (dqf * qf).sum(1) + (dkf * kf).sum(1)  # [B, S, D]
+    dsin = (dqf * _rotate_half(qf)).sum(1) + (dkf * _rotate_half(kf)).sum(1)
+    if cos.shape[0] == 1:
+        dcos, dsin = dcos.sum(0, keepdim=True), dsin.sum(0, keepdim=True)
+    return dcos.to(cos.dtype), dsin.to(cos.dtype)
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary embedding, Hugging Face's rotate_half form: x·cos + rotate_half(x)·sin for x in (q, k).
+
+    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (broadcast over heads).
+    """
+    ct = compute_dtype(q.dtype)
+    c = cos.to(ct).unsqueeze(-3)  # [.., 1, S, D]: the same angle for every head
+    s = sin.to(ct).unsqueeze(-3)
+    qf, kf = q.to(ct), k.to(ct)
+    return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool) -> Tensor:
+    # out1 = x1·c1 − x2·s1, out2 = x2·c2 + x1·s2; the transpose: dx1 = y1·c1 + y2·s2, dx2 = y2·c2 − y1·s1
+    ct = compute_dtype(x.dtype)
+    half = x.shape[-1] // 2
+    xf = x.to(ct)
+    c, s = cos.to(ct).unsqueeze(1), sin.to(ct).unsqueeze(1)  # [Bc, 1, S, D]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+    if transpose:
+        out = torch.cat([x1 * c1 + x2 * s2, x2 * c2 - x1 * s1], dim=-1)
+    else:
+        out = torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
+    return out.to(x.dtype)
+
+
+def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [Bc, S, D] (Bc = 1 or B) -> (q_rot, k_rot)."""
+    return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+
+
+def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The transposed rotation of the upstream gradients."""
+    return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True)
+
+
+def _fast(plan: Any, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Any:
+    """A no-grad forward of this signature in one step: the bound kernel function."""
+    run = bound(plan, "rope_fwd")
+    if run is None or wants_grad(q, k, cos, sin) or q.stride(-1) != 1 or k.stride(-1) != 1 or not (
+            q.numel() and k.numel()):
+        return None
+    if cos.dim() == 3 and cos.is_contiguous() and sin.is_contiguous():
+        return run
+    return lambda q, k, cos, sin: run(q, k, _table(cos), _table(sin))
+
+
+_CALLS = Public(OP, _check, _body, _fast)

@@ -1,0 +1,139 @@
+"""softmax: ``exp(x - max(x)) / sum(exp(x - max(x)))`` along any dim.
+
+The public function and its checks, its autograd (custom ops ``hkernels::softmax_fwd`` / ``_bwd``), then the
+reference math and the torch backend. Kernels: ``hkernels/ops/softmax.py`` (Helion), ``triton_fallback/softmax.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    as_rows,
+    autograd,
+    bound,
+    call,
+    check_input,
+    compute_dtype,
+    rows,
+    rows_view,
+    wants_grad,
+)
+
+OP = "softmax"
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax along ``dim`` (any dim; the last is fastest: others are moved there and back).
+
+    x: any shape, float16/bfloat16/float32 (float64 on the torch backend). Math in float32; the result has x's
+    dtype and shape. Differentiable.
+    """
+    return _CALLS(x, dim)
+
+
+def _check(x: Any, dim: Any) -> None:
+    check_input(OP, x, min_dim=0)
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"hkernels.softmax: dim must be an int, got {type(dim).__name__}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"hkernels.softmax: dim {dim} is out of range for a tensor of {x.dim()} dimension(s)")
+
+
+def _body(request: str, x: Tensor, dim: int) -> Tensor:
+    if x.dim() and dim % x.dim() == x.dim() - 1:  # the last dim: no moves
+        y = call(_fwd, as_rows(x), request)
+        return y if y.shape == x.shape else y.reshape(x.shape)
+    xt = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
+    y = call(_fwd, as_rows(xt), request).reshape(xt.shape)
+    return y.reshape(()) if x.dim() == 0 else y.movedim(-1, dim)
+
+
+def routed(arguments: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The tensors a call's kernel is routed by (for selected_backend): over dim d, a view with d moved last."""
+    x, dim = arguments["x"], arguments["dim"]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
+        return (x,) if isinstance(x, torch.Tensor) else ()
+    return (x.movedim(dim, -1),)
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+@torch.library.custom_op("hkernels::softmax_fwd", mutates_args=())
+def _fwd(x: Tensor, backend: str) -> Tensor:
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return dispatch.run(OP, "softmax_fwd", backend, rows(x))
+
+
+@_fwd.register_fake
+def _(x: Tensor, backend: str) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("hkernels::softmax_bwd", mutates_args=())
+def _bwd(dy: Tensor, y: Tensor, backend: str) -> Tensor:
+    if y.numel() == 0:
+        return y.new_zeros(y.shape)
+    return dispatch.run(OP, "softmax_bwd", backend, rows(dy), rows(y))
+
+
+@_bwd.register_fake
+def _(dy: Tensor, y: Tensor, backend: str) -> Tensor:
+    return y.new_empty(y.shape)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(output)
+    ctx.backend = inputs[1]
+
+
+def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None]:
+    (y,) = ctx.saved_tensors
+    return call(_bwd, dy, y, ctx.backend), None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(x: Tensor, dim: int = -1) -> Tensor:
+    """y = exp(x - max(x)) / sum(exp(x - max(x))) along ``dim``."""
+    xf = x.to(compute_dtype(x.dtype))
+    e = torch.exp(xf - xf.amax(dim, keepdim=True))
+    return (e / e.sum(dim, keepdim=True)).to(x.dtype)
+
+
+def softmax_fwd(x: Tensor) -> Tensor:
+    """x: [M, N] -> softmax over N, in x.dtype."""
+    return reference(x, -1)
+
+
+def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
+    """dx = y·(dy − Σ dy·y)."""
+    ct = compute_dtype(y.dtype)
+    yf, dyf = y.to(ct), dy.to(ct)
+    return (yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+def _fast(plan: Any, x: Tensor, dim: int) -> Any:
+    """A no-grad forward over the last dim in one step: the bound kernel function, on a view of x's rows."""
+    run, rows_of = bound(plan, "softmax_fwd"), rows_view(x)
+    if run is None or rows_of is None or wants_grad(x) or dim % x.dim() != x.dim() - 1:
+        return None
+    if x.dim() == 2:
+        return lambda x, dim: run(x)
+    shape = x.shape
+    return lambda x, dim: run(x.view(rows_of)).view(shape)
+
+
+_CALLS = Public(OP, _check, _body, _fast)

@@ -1,0 +1,85 @@
+"""The table of ops: for each, the module of each backend. The dispatcher reads this and nothing else to find code.
+
+Every backend module of an op offers the same functions with the same signatures (``<op>_fwd``, ``<op>_bwd``, and
+a few op-specific ones such as ``matmul_act_bwd``), on the kernel-level arguments the op's public function
+prepares (2-D rows for the row ops). The ``torch`` backend is the op's functional module, where its reference
+math lives. Modules are imported on the first call that needs them: ``import hkernels`` imports neither Helion nor
+Triton, and a backend that fails to import costs only itself.
+
+Adding an op: ``hkernels/functional/<op>.py``, ``hkernels/ops/<op>.py``, ``triton_fallback/<op>.py`` and a row here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+BACKENDS: tuple[str, ...] = ("helion", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    helion: str  # Helion kernels
+    triton: str  # hand-written Triton twins, importable without Helion
+    torch: str  # the public function, autograd and reference math (the torch backend)
+
+    def module_name(self, backend: str) -> str:
+        return getattr(self, backend)
+
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("rms_norm", "hkernels.ops.rms_norm", "triton_fallback.rms_norm", "hkernels.functional.rms_norm"),
+    Op("layer_norm", "hkernels.ops.layer_norm", "triton_fallback.layer_norm", "hkernels.functional.layer_norm"),
+    Op("softmax", "hkernels.ops.softmax", "triton_fallback.softmax", "hkernels.functional.softmax"),
+    Op("add_rms_norm", "hkernels.ops.add_rms_norm", "triton_fallback.add_rms_norm",
+       "hkernels.functional.add_rms_norm"),
+    Op("swiglu", "hkernels.ops.swiglu", "triton_fallback.swiglu", "hkernels.functional.swiglu"),
+    Op("geglu", "hkernels.ops.geglu", "triton_fallback.geglu", "hkernels.functional.geglu"),
+    Op("rope", "hkernels.ops.rope", "triton_fallback.rope", "hkernels.functional.rope"),
+    Op("cross_entropy", "hkernels.ops.cross_entropy", "triton_fallback.cross_entropy",
+       "hkernels.functional.cross_entropy"),
+    Op("fused_linear_cross_entropy", "hkernels.ops.fused_linear_cross_entropy",
+       "triton_fallback.fused_linear_cross_entropy", "hkernels.functional.fused_linear_cross_entropy"),
+    Op("matmul", "hkernels.ops.matmul", "triton_fallback.matmul", "hkernels.functional.matmul"),
+    Op("attention", "hkernels.ops.attention", "triton_fallback.attention", "hkernels.functional.attention"),
+)}
+
+# One import at a time: a first op call imports torch._dynamo (custom ops) and Helion's import pulls in
+# torch._inductor, which imports torch._dynamo too. Done from two threads at once, the two chains waited on each
+# other's module locks and Python broke the cycle by handing out half-initialised modules (seen on the H200:
+# "partially initialized module 'torch._dynamo'", after which every op failed in that process).
+_import_lock = threading.RLock()
+_loaded: dict[tuple[str, str], ModuleType | str] = {}
+_prepared = False
+
+
+def prepare() -> None:
+    """Import, once and under the import lock, what a first op call would otherwise import lazily."""
+    global _prepared
+    if _prepared:
+        return
+    with _import_lock:
+        if not _prepared:
+            import torch._dynamo  # noqa: F401
+
+            _prepared = True
+
+
+def load(op: str, backend: str) -> ModuleType | str:
+    """``op``'s module on ``backend``, or the reason it cannot be imported here."""
+    key = (op, backend)
+    found = _loaded.get(key)
+    if found is None:
+        with _import_lock:
+            prepare()
+            found = _loaded.get(key)
+            if found is None:
+                try:
+                    found = importlib.import_module(OPS[op].module_name(backend))
+                except Exception as e:  # an import error of any kind means: this backend is not available here
+                    found = f"{backend} cannot be imported here ({type(e).__name__}: {e})"
+                _loaded[key] = found
+    return found
