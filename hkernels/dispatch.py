@@ -106,6 +106,19 @@ class _Scope:
 
 
 _ROOT = _Scope(())
+_SCOPES: dict[tuple[_Layer, ...], _Scope] = {(): _ROOT}
+
+
+def _scope(layers: tuple[_Layer, ...]) -> _Scope:
+    """The scope of these layers: one object per distinct stack, so that entering the same scope again (a scope
+    per call) finds what it resolved to already."""
+    found = _SCOPES.get(layers)
+    if found is None:
+        if len(_SCOPES) > 256:
+            _SCOPES.clear()
+            _SCOPES[()] = _ROOT
+        found = _SCOPES[layers] = _Scope(layers)
+    return found
 _SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("hkernels_backend_scope", default=_ROOT)
 _ENV = "HKERNELS_BACKEND"
 try:  # the environment's own mapping: one dict lookup instead of os.environ's encode/decode per read
@@ -159,7 +172,7 @@ def use_backend(default: str | None = None, /, **per_op: str) -> Iterator[None]:
     for op, value in per_op.items():
         _check_op(op)
         _check_request(value, f"use_backend({op}=...)")
-    token = _SCOPE.set(_Scope((*_SCOPE.get().layers, _Layer(default, tuple(per_op.items())))))
+    token = _SCOPE.set(_scope((*_SCOPE.get().layers, _Layer(default, tuple(per_op.items())))))
     try:
         yield
     finally:

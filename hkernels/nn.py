@@ -72,10 +72,12 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = _over_last(x, self.normalized_shape, "RMSNorm")
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        w = None if self.weight is None else self.weight.reshape(-1)
-        return rms_norm(rows, w, eps).view(x.shape)
+        w = self.weight
+        if len(self.normalized_shape) == 1 and x.dim() and x.shape[-1] == self.normalized_shape[0]:
+            return rms_norm(x, w, eps)  # the common case, without views (a call's host time counts)
+        rows = _over_last(x, self.normalized_shape, "RMSNorm")
+        return rms_norm(rows, None if w is None else w.reshape(-1), eps).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -109,6 +111,8 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
+        if len(self.normalized_shape) == 1 and x.dim() and x.shape[-1] == self.normalized_shape[0]:
+            return layer_norm(x, self.weight, self.bias, self.eps)  # the common case, without views
         rows = _over_last(x, self.normalized_shape, "LayerNorm")
         w = None if self.weight is None else self.weight.reshape(-1)
         b = None if self.bias is None else self.bias.reshape(-1)

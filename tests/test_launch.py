@@ -106,10 +106,10 @@ def test_launch_caches_one_compiled_kernel_per_key(device):
     _launch._COMPILED.clear()
     for _ in range(5):
         _launch.launch(_axpb_kernel, (4,), x, y, 1000, 1.0, 2, BLOCK=256)
-    keys = [k for k in _launch._COMPILED if k[0] is _axpb_kernel]
+    keys = [k for k in _launch._COMPILED if k[0] == id(_axpb_kernel)]
     assert len(keys) == 1
     _launch.launch(_axpb_kernel, (4,), x[1:], y[1:], 999, 1.0, 2, BLOCK=256)  # unaligned, n not % 16: a new key
-    assert len([k for k in _launch._COMPILED if k[0] is _axpb_kernel]) == 2
+    assert len([k for k in _launch._COMPILED if k[0] == id(_axpb_kernel)]) == 2
 
 
 @triton.jit
@@ -128,5 +128,5 @@ def test_launch_keys_constexprs_by_type_and_value(device):
     for factor in (1, 1.0, 1, 1.0):
         _launch.launch(_scale_kernel, (1,), x, y, 100, FACTOR=factor, BLOCK=128)
         torch.testing.assert_close(y, x)
-    keys = [k for k in _launch._COMPILED if k[0] is _scale_kernel]
+    keys = [k for k in _launch._COMPILED if k[0] == id(_scale_kernel)]
     assert len(keys) == 2, keys

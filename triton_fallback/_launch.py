@@ -30,11 +30,12 @@ from triton_fallback import _plan
 _I32 = 2**31
 _I64 = 2**63
 
-# Per JITFunction: (params count, positions of constexpr params, names of non-constexpr params) -- or None when
-# the fast path cannot serve it (interpret mode: not a JITFunction).
+# Per JITFunction (by id): (the kernel, (params count, positions of constexpr params, names of non-constexpr params,
+# param names, defaults)) -- or None when the fast path cannot serve it (interpret mode: not a JITFunction).
 _SHAPE: dict[Any, Any] = {}
-# (kernel, device, key) -> (compiled kernel, constexpr values appended after the positional args)
-_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
+# (id of the kernel, device, key) -> (compiled kernel, constexpr values appended after the positional args, the
+# kernel: checked on a hit, as an id can be reused once its object is gone)
+_COMPILED: dict[tuple, tuple[Any, tuple, Any]] = {}
 _COMPILED_MAX = 4096  # bounded: cleared when full (the next call of each key goes through Triton once more)
 
 
@@ -57,20 +58,23 @@ def _spec(a: Any) -> Any:
 
 
 def _shape(kernel: Any) -> Any:
-    shape = _SHAPE.get(kernel)
-    if shape is None and kernel not in _SHAPE:
-        params = getattr(kernel, "params", None)
-        if params is None or not hasattr(kernel, "device_caches"):  # not a compiled-mode JITFunction
-            shape = None
-        else:
-            shape = (
-                len(params),
-                frozenset(i for i, p in enumerate(params) if p.is_constexpr),
-                frozenset(p.name for p in params if not p.is_constexpr),
-                [p.name for p in params],
-                {p.name: p.default for p in params if p.has_default},
-            )
-        _SHAPE[kernel] = shape
+    # Keyed by id: a JITFunction hashes by its cache_key, a Python property computed on every lookup. The entry
+    # holds the kernel, so its id is not reused while the entry lives.
+    found = _SHAPE.get(id(kernel))
+    if found is not None and found[0] is kernel:
+        return found[1]
+    params = getattr(kernel, "params", None)
+    if params is None or not hasattr(kernel, "device_caches"):  # not a compiled-mode JITFunction
+        shape = None
+    else:
+        shape = (
+            len(params),
+            frozenset(i for i, p in enumerate(params) if p.is_constexpr),
+            frozenset(p.name for p in params if not p.is_constexpr),
+            [p.name for p in params],
+            {p.name: p.default for p in params if p.has_default},
+        )
+    _SHAPE[id(kernel)] = (kernel, shape)
     return shape
 
 
@@ -115,7 +119,7 @@ def _launch_once(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, 
         kernel[grid](*args, **meta)
         return None
     n_params, constexpr_pos, runtime_names, names, defaults = shape
-    key = [kernel, torch.cuda.current_device()]
+    key = [id(kernel), torch.cuda.current_device()]
     for i, a in enumerate(args):
         s = ((a.__class__, a) if isinstance(a, _VALUES) else _SLOW) if i in constexpr_pos else _spec(a)
         if s is _SLOW:
@@ -132,6 +136,8 @@ def _launch_once(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, 
         key.append((item, item[1].__class__))  # the type too: True == 1 == 1.0 are one dict key, not one kernel
     key_t = tuple(key)
     hit = _COMPILED.get(key_t)
+    if hit is not None and hit[2] is not kernel:  # another kernel object under a reused id
+        hit = None
     if hit is None:
         compiled = kernel[grid](*args, **meta)
         if compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -141,9 +147,9 @@ def _launch_once(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, 
         tail = tuple(meta[n] if n in meta else defaults[n] for n in names[len(args):n_params])
         if len(_COMPILED) >= _COMPILED_MAX:
             _COMPILED.clear()
-        _COMPILED[key_t] = (compiled, tail)
+        _COMPILED[key_t] = (compiled, tail, kernel)
         return compiled, tail, key[1]
-    compiled, tail = hit
+    compiled, tail, _ = hit
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
@@ -228,11 +234,11 @@ class Bound:
 def bound_launcher() -> Any:
     """A Helion ``_launcher`` for one bound Helion function (one call signature): each Triton kernel it launches is
     compiled through :func:`launch`'s keyed path on its first launch, then launched directly."""
-    gos: dict[Any, Any] = {}
+    gos: dict[int, Any] = {}  # by id (a JITFunction hashes slowly); the function's kernels outlive it
 
     def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
                  **kwargs: Any) -> None:
-        go = gos.get(triton_kernel)
+        go = gos.get(id(triton_kernel))
         if go is not None:
             go(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, *args)
             return
@@ -241,7 +247,7 @@ def bound_launcher() -> Any:
             return
         found = _launch_once(triton_kernel, grid, args, {"num_warps": num_warps, "num_stages": num_stages})
         if found is not None:
-            gos[triton_kernel] = direct(*found)
+            gos[id(triton_kernel)] = direct(*found)
 
     return launcher
 

@@ -78,9 +78,9 @@ _publics: list[Public] = []
 
 class Public:
     """The call path of one public op: ``check(*args)`` raises on bad arguments; ``body(request, *args)`` computes
-    the op (calling its custom ops through :func:`call`); ``fast(plan, *args)``, optional, returns a function that
-    does what the recorded ``plan`` does for calls of this signature in one step (the forward of a row op whose
-    kernel function was bound: no replay, no layers), or None."""
+    the op (calling its custom ops through :func:`call`); ``fast(plan, request, *args)``, optional, returns a
+    function that does what the recorded ``plan`` does for calls of this signature in one step (a row op whose
+    kernel function was bound: its forward, through a :class:`Lane` when a gradient is wanted), or None."""
 
     __slots__ = ("body", "check", "fast", "op", "plans")
 
@@ -119,7 +119,7 @@ class Public:
         out = _plan.run(plan, self.body, (request, *args))
         if generation == dispatch.generation():  # the tables did not change while it recorded
             if self.fast is not None:
-                plan.fast = self.fast(plan, *args)
+                plan.fast = self.fast(plan, request, *args)
             if len(self.plans) >= _MAX_PLANS:
                 self.plans.clear()
             self.plans[key] = plan
@@ -191,24 +191,63 @@ def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            plans = ctx.hk_plans
-            if plans is None or not _plan.enabled or _modes():
-                return backward(ctx, *grads)
-            try:
-                key = (torch.is_grad_enabled(), *map(_sig, grads))
-                plan = plans.get(key)
-            except (_NotPlain, TypeError, AttributeError):
-                return _plan.outside(backward, ctx, *grads)
-            if plan is None:
-                if len(plans) >= 64:
-                    plans.clear()
-                plan = plans[key] = _plan.Plan()
-            return _plan.run(plan, backward, (ctx, *grads))
+            return _planned_backward(ctx.hk_plans, backward, ctx, grads)
 
     _Eager.__name__ = _Eager.__qualname__ = f"{impl.__name__}_eager"
     # Function.apply's Python wrapper binds default arguments and unwraps functorch's dead wrappers: neither can be
     # in play on the eager path (checked by Public and _decide), so the C++ apply is called directly.
     _EAGER[opdef] = (_Eager, torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager))
+
+
+def _planned_backward(plans: dict[Any, _plan.Plan] | None, backward: Callable[..., Any], ctx: Any,
+                      grads: tuple[Any, ...]) -> Any:
+    """``backward(ctx, *grads)``, replaying the plan ``plans`` holds for these gradients' signature (recorded by the
+    first backward of it); plainly where there is no table (the custom-op path) or a mode is active."""
+    if plans is None or not _plan.enabled or _modes():
+        return backward(ctx, *grads)
+    try:
+        key = (torch.is_grad_enabled(), *map(_sig, grads))
+        plan = plans.get(key)
+    except (_NotPlain, TypeError, AttributeError):
+        return _plan.outside(backward, ctx, *grads)
+    if plan is None:
+        if len(plans) >= 64:
+            plans.clear()
+        plan = plans[key] = _plan.Plan()
+    return _plan.run(plan, backward, (ctx, *grads))
+
+
+class Lane:
+    """A row op's forward with autograd, in one step (``Public``'s fast path when a gradient is wanted): the bound
+    kernel function its plan recorded, then ``setup`` as the custom op's autograd would; the backward is the op's
+    formula, replaying a plan per gradient signature. ``apply(*args)`` takes the custom op's arguments without
+    its trailing backend request, and returns its outputs."""
+
+    __slots__ = ("apply", "backward", "fwd", "n", "plans", "request", "setup")
+
+    def __init__(self, fwd: Callable[..., Any], setup: Callable[..., None], backward: Callable[..., Any],
+                 request: str, n: int) -> None:
+        self.fwd, self.setup, self.backward, self.request, self.n = fwd, setup, backward, request, n
+        self.plans: dict[Any, _plan.Plan] = {}
+        lane = self
+        self.apply = lambda *args: _lane_apply(lane, *args)
+
+
+class _LaneFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, lane: Lane, *args: Any) -> Any:
+        out = lane.fwd(*args)
+        lane.setup(ctx, (*args, lane.request), out)
+        ctx.hk_lane = lane
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        lane = ctx.hk_lane
+        return None, *_planned_backward(lane.plans, lane.backward, ctx, grads)[:lane.n]
+
+
+_lane_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LaneFunction)
 
 
 _WRITES: dict[Any, Callable[..., Any] | None] = {}

@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -144,20 +145,26 @@ def add_rms_norm_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | 
     return dx.to(s.dtype), dw
 
 
-def _fast(plan: Any, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Any:
-    """A no-grad forward of this signature in one step: the kernel function the plan ran, bound without rstd, on
-    views of the rows."""
+def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, on views of the rows; without a
+    gradient, bound without rstd; with one, through a Lane."""
     recorded, rows_of = bound(plan, "add_rms_norm_fwd"), rows_view(x)
-    if recorded is None or rows_of is None or rows_view(residual) is None or wants_grad(x, residual, weight) or (
-            type(eps) is not float):
+    if recorded is None or rows_of is None or rows_view(residual) is None or type(eps) is not float:
         return None
-    x2, r2 = (x, residual) if x.dim() == 2 else (x.view(rows_of), residual.view(rows_of))
+    shape, flat = x.shape, x.dim() == 2
+    if wants_grad(x, residual, weight):
+        apply = Lane(recorded, _setup, _backward, request, 4).apply
+        if flat:
+            return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
+
+        def lane(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+            y, s, _ = apply(x.view(rows_of), residual.view(rows_of), weight, eps)
+            return y.view(shape), s.view(shape)
+        return lane
+    x2, r2 = (x, residual) if flat else (x.view(rows_of), residual.view(rows_of))
     run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)
-    if run is None:
-        return None
-    if x.dim() == 2:
+    if run is None or flat:
         return run
-    shape = x.shape
 
     def fast(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
         y, s = run(x.view(rows_of), residual.view(rows_of), weight, eps)

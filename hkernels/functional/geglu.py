@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -126,11 +127,14 @@ def geglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> tuple[T
     return (d * u * dgelu).to(gate.dtype), (d * gelu).to(up.dtype)
 
 
-def _fast(plan: Any, gate: Tensor, up: Tensor, approximate: str) -> Any:
-    """A no-grad forward of this signature in one step: the bound kernel function, on views of the rows."""
+def _fast(plan: Any, request: str, gate: Tensor, up: Tensor, approximate: str) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, on views of the rows (through a Lane
+    when a gradient is wanted)."""
     run, rows_of = bound(plan, "geglu_fwd"), rows_view(gate)
-    if run is None or rows_of is None or rows_view(up) is None or wants_grad(gate, up):
+    if run is None or rows_of is None or rows_view(up) is None:
         return None
+    if wants_grad(gate, up):
+        run = Lane(run, _setup, _backward, request, 3).apply
     if gate.dim() == 2:
         return run
     shape = gate.shape

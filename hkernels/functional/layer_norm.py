@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -100,9 +101,13 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tens
     x, weight, bias, _eps, backend = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
     ctx.backend = backend
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # (no zeros made for the statistics' gradients, which are never used)
 
 
-def _backward(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor) -> tuple[Tensor | None, ...]:
+def _backward(ctx: Any, dy: Tensor | None, _dmean: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+    if dy is None:
+        return None, None, None, None, None
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = call(_bwd, dy, x, weight, bias, mean, rstd, ctx.backend)
     return dx, (dw if weight is not None else None), (db if bias is not None else None), None, None
@@ -154,19 +159,21 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | 
     return dx.to(x.dtype), dw, db
 
 
-def _fast(plan: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Any:
-    """A no-grad forward of this signature in one step: the kernel function the plan ran, bound without the
-    statistics, on a view of x's rows."""
+def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, on a view of x's rows; without a
+    gradient, bound without the statistics; with one, through a Lane."""
     recorded, rows_of = bound(plan, "layer_norm_fwd"), rows_view(x)
-    if recorded is None or rows_of is None or wants_grad(x, weight, bias) or type(eps) is not float:
+    if recorded is None or rows_of is None or type(eps) is not float:
         return None
-    x2 = x if x.dim() == 2 else x.view(rows_of)
-    run = dispatch.rebind(recorded, "layer_norm_fwd", x2, weight, bias, eps, stats=False)
-    if run is None:
-        return None
-    if x.dim() == 2:
+    shape, flat = x.shape, x.dim() == 2
+    if wants_grad(x, weight, bias):
+        apply = Lane(recorded, _setup, _backward, request, 4).apply
+        if flat:
+            return lambda x, weight, bias, eps: apply(x, weight, bias, eps)[0]
+        return lambda x, weight, bias, eps: apply(x.view(rows_of), weight, bias, eps)[0].view(shape)
+    run = dispatch.rebind(recorded, "layer_norm_fwd", x if flat else x.view(rows_of), weight, bias, eps, stats=False)
+    if run is None or flat:
         return run
-    shape = x.shape
     return lambda x, weight, bias, eps: run(x.view(rows_of), weight, bias, eps).view(shape)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -85,9 +86,13 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> 
     x, weight, _eps, backend = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.backend = backend
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # (no zeros made for rstd's gradient, which is never used)
 
 
-def _backward(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Tensor | None, ...]:
+def _backward(ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+    if dy is None:
+        return None, None, None, None
     x, weight, rstd = ctx.saved_tensors
     dx, dw = call(_bwd, dy, x, weight, rstd, ctx.backend)
     return dx, (dw if weight is not None else None), None, None
@@ -129,19 +134,21 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
     return dx.to(x.dtype), dw
 
 
-def _fast(plan: Any, x: Tensor, weight: Tensor | None, eps: float) -> Any:
-    """A no-grad forward of this signature in one step: the kernel function the plan ran, bound without rstd, on a
-    view of x's rows."""
+def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, on a view of x's rows; without a
+    gradient, bound without rstd; with one, through a Lane."""
     recorded, rows_of = bound(plan, "rms_norm_fwd"), rows_view(x)
-    if recorded is None or rows_of is None or wants_grad(x, weight) or type(eps) is not float:
+    if recorded is None or rows_of is None or type(eps) is not float:
         return None
-    x2 = x if x.dim() == 2 else x.view(rows_of)
-    run = dispatch.rebind(recorded, "rms_norm_fwd", x2, weight, eps, stats=False)
-    if run is None:
-        return None
-    if x.dim() == 2:
+    shape, flat = x.shape, x.dim() == 2
+    if wants_grad(x, weight):
+        apply = Lane(recorded, _setup, _backward, request, 3).apply
+        if flat:
+            return lambda x, weight, eps: apply(x, weight, eps)[0]
+        return lambda x, weight, eps: apply(x.view(rows_of), weight, eps)[0].view(shape)
+    run = dispatch.rebind(recorded, "rms_norm_fwd", x if flat else x.view(rows_of), weight, eps, stats=False)
+    if run is None or flat:
         return run
-    shape = x.shape
     return lambda x, weight, eps: run(x.view(rows_of), weight, eps).view(shape)
 
 

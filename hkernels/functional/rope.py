@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     autograd,
@@ -101,7 +102,7 @@ def _(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[T
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, cos, sin, backend = inputs
-    tables_need_grad = any(ctx.needs_input_grad[2:4])
+    tables_need_grad = cos.requires_grad or sin.requires_grad
     ctx.save_for_backward(cos, sin, *((q, k) if tables_need_grad else ()))
     ctx.backend = backend
     ctx.q_shape, ctx.k_shape, ctx.q_dtype = q.shape, k.shape, q.dtype
@@ -179,12 +180,16 @@ def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, 
     return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True)
 
 
-def _fast(plan: Any, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Any:
-    """A no-grad forward of this signature in one step: the bound kernel function."""
+def _fast(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran (through a Lane when a gradient is
+    wanted)."""
     run = bound(plan, "rope_fwd")
-    if run is None or wants_grad(q, k, cos, sin) or q.stride(-1) != 1 or k.stride(-1) != 1 or not (
-            q.numel() and k.numel()):
+    if run is None or q.stride(-1) != 1 or k.stride(-1) != 1 or not (q.numel() and k.numel()):
         return None
+    if wants_grad(q, k, cos, sin):
+        if cos.requires_grad or sin.requires_grad:
+            return None  # (the tables' own gradients: the plan's path)
+        run = Lane(run, _setup, _backward, request, 4).apply
     if cos.dim() == 3 and cos.is_contiguous() and sin.is_contiguous():
         return run
     return lambda q, k, cos, sin: run(q, k, _table(cos), _table(sin))

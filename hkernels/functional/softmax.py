@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -125,11 +126,14 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     return (yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
 
 
-def _fast(plan: Any, x: Tensor, dim: int) -> Any:
-    """A no-grad forward over the last dim in one step: the bound kernel function, on a view of x's rows."""
+def _fast(plan: Any, request: str, x: Tensor, dim: int) -> Any:
+    """Calls over the last dim in one step: the kernel function the plan ran, on a view of x's rows (through a Lane
+    when a gradient is wanted)."""
     run, rows_of = bound(plan, "softmax_fwd"), rows_view(x)
-    if run is None or rows_of is None or wants_grad(x) or dim % x.dim() != x.dim() - 1:
+    if run is None or rows_of is None or dim % x.dim() != x.dim() - 1:
         return None
+    if wants_grad(x):
+        run = Lane(run, _setup, _backward, request, 1).apply
     if x.dim() == 2:
         return lambda x, dim: run(x)
     shape = x.shape

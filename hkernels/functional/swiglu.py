@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Lane,
     Public,
     Tensor,
     as_rows,
@@ -116,11 +117,14 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (d * g * sig).to(up.dtype)
 
 
-def _fast(plan: Any, gate: Tensor, up: Tensor) -> Any:
-    """A no-grad forward of this signature in one step: the bound kernel function, on views of the rows."""
+def _fast(plan: Any, request: str, gate: Tensor, up: Tensor) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, on views of the rows (through a Lane
+    when a gradient is wanted)."""
     run, rows_of = bound(plan, "swiglu_fwd"), rows_view(gate)
-    if run is None or rows_of is None or rows_view(up) is None or wants_grad(gate, up):
+    if run is None or rows_of is None or rows_view(up) is None:
         return None
+    if wants_grad(gate, up):
+        run = Lane(run, _setup, _backward, request, 2).apply
     if gate.dim() == 2:
         return run
     shape = gate.shape
