@@ -24,11 +24,11 @@ def _t(g: torch.Generator, *shape: int, scale: float = 1.0) -> Tensor:
 
 # Per op: (inputs drawn from a generator: tensors that get gradients first, then the rest; how to call).
 MAKERS: dict[str, tuple[Callable[[torch.Generator], tuple[list[Tensor], list[Tensor]]], Callable[..., Any]]] = {
-    "rms_norm": (lambda g: ([_t(g, 37, 512), _t(g, 512) + 1], []), lambda x, w: hkernels.rms_norm(x, w)),
+    "rms_norm": (lambda g: ([_t(g, 2, 19, 512), _t(g, 512) + 1], []), lambda x, w: hkernels.rms_norm(x, w)),
     "layer_norm": (lambda g: ([_t(g, 37, 512), _t(g, 512) + 1, _t(g, 512)], []),
                    lambda x, w, b: hkernels.layer_norm(x, w, b)),
     "softmax": (lambda g: ([_t(g, 37, 1000, scale=3.0)], []), lambda x: hkernels.softmax(x)),
-    "add_rms_norm": (lambda g: ([_t(g, 37, 512), _t(g, 37, 512), _t(g, 512) + 1], []),
+    "add_rms_norm": (lambda g: ([_t(g, 2, 19, 512), _t(g, 2, 19, 512), _t(g, 512) + 1], []),
                      lambda x, r, w: hkernels.add_rms_norm(x, r, w)),
     "swiglu": (lambda g: ([_t(g, 37, 1024), _t(g, 37, 1024)], []), hkernels.swiglu),
     "geglu": (lambda g: ([_t(g, 37, 1024), _t(g, 37, 1024)], []), hkernels.geglu),

@@ -221,13 +221,17 @@ class Lane:
     """A row op's forward with autograd, in one step (``Public``'s fast path when a gradient is wanted): the bound
     kernel function its plan recorded, then ``setup`` as the custom op's autograd would; the backward is the op's
     formula, replaying a plan per gradient signature. ``apply(*args)`` takes the custom op's arguments without
-    its trailing backend request, and returns its outputs."""
+    its trailing backend request (``n`` of them), and returns its outputs. With ``shape``, the first ``k``
+    arguments are [..., N] tensors of that shape, viewed as ``rows`` [M, N] inside the autograd node (as are the
+    first ``outs`` outputs and their gradients, back): no view nodes in the graph around it."""
 
-    __slots__ = ("apply", "backward", "fwd", "n", "plans", "request", "setup")
+    __slots__ = ("apply", "backward", "fwd", "k", "n", "outs", "plans", "request", "rows", "setup", "shape")
 
     def __init__(self, fwd: Callable[..., Any], setup: Callable[..., None], backward: Callable[..., Any],
-                 request: str, n: int) -> None:
+                 request: str, n: int, shape: torch.Size | None = None, rows: tuple[int, int] | None = None,
+                 k: int = 0, outs: int = 0) -> None:
         self.fwd, self.setup, self.backward, self.request, self.n = fwd, setup, backward, request, n
+        self.shape, self.rows, self.k, self.outs = shape, rows, k, outs
         self.plans: dict[Any, _plan.Plan] = {}
         lane = self
         self.apply = lambda *args: _lane_apply(lane, *args)
@@ -236,15 +240,30 @@ class Lane:
 class _LaneFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, lane: Lane, *args: Any) -> Any:
+        shape = lane.shape
+        if shape is not None:
+            rows = lane.rows
+            args = (*[a.view(rows) for a in args[:lane.k]], *args[lane.k:])
         out = lane.fwd(*args)
         lane.setup(ctx, (*args, lane.request), out)
         ctx.hk_lane = lane
-        return out
+        if shape is None:
+            return out
+        if isinstance(out, Tensor):
+            return out.view(shape)
+        return (*[o.view(shape) for o in out[:lane.outs]], *out[lane.outs:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         lane = ctx.hk_lane
-        return None, *_planned_backward(lane.plans, lane.backward, ctx, grads)[:lane.n]
+        shape = lane.shape
+        if shape is not None:
+            rows = lane.rows
+            grads = (*[g if g is None else g.reshape(rows) for g in grads[:lane.outs]], *grads[lane.outs:])
+        out = _planned_backward(lane.plans, lane.backward, ctx, grads)[:lane.n]
+        if shape is not None:
+            out = (*[g if g is None else g.view(shape) for g in out[:lane.k]], *out[lane.k:])
+        return None, *out
 
 
 _lane_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LaneFunction)

@@ -153,14 +153,8 @@ def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor |
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, residual, weight):
-        apply = Lane(recorded, _setup, _backward, request, 4).apply
-        if flat:
-            return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
-
-        def lane(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-            y, s, _ = apply(x.view(rows_of), residual.view(rows_of), weight, eps)
-            return y.view(shape), s.view(shape)
-        return lane
+        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 2, 2).apply
+        return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
     x2, r2 = (x, residual) if flat else (x.view(rows_of), residual.view(rows_of))
     run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)
     if run is None or flat:

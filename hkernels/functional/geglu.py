@@ -133,9 +133,10 @@ def _fast(plan: Any, request: str, gate: Tensor, up: Tensor, approximate: str) -
     run, rows_of = bound(plan, "geglu_fwd"), rows_view(gate)
     if run is None or rows_of is None or rows_view(up) is None:
         return None
+    flat = gate.dim() == 2
     if wants_grad(gate, up):
-        run = Lane(run, _setup, _backward, request, 3).apply
-    if gate.dim() == 2:
+        return Lane(run, _setup, _backward, request, 3, None if flat else gate.shape, rows_of, 2, 1).apply
+    if flat:
         return run
     shape = gate.shape
     return lambda gate, up, approximate: run(gate.view(rows_of), up.view(rows_of), approximate).view(shape)

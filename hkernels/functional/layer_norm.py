@@ -167,10 +167,8 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tenso
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight, bias):
-        apply = Lane(recorded, _setup, _backward, request, 4).apply
-        if flat:
-            return lambda x, weight, bias, eps: apply(x, weight, bias, eps)[0]
-        return lambda x, weight, bias, eps: apply(x.view(rows_of), weight, bias, eps)[0].view(shape)
+        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 1, 1).apply
+        return lambda x, weight, bias, eps: apply(x, weight, bias, eps)[0]
     run = dispatch.rebind(recorded, "layer_norm_fwd", x if flat else x.view(rows_of), weight, bias, eps, stats=False)
     if run is None or flat:
         return run

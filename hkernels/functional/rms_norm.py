@@ -142,10 +142,8 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight):
-        apply = Lane(recorded, _setup, _backward, request, 3).apply
-        if flat:
-            return lambda x, weight, eps: apply(x, weight, eps)[0]
-        return lambda x, weight, eps: apply(x.view(rows_of), weight, eps)[0].view(shape)
+        apply = Lane(recorded, _setup, _backward, request, 3, None if flat else shape, rows_of, 1, 1).apply
+        return lambda x, weight, eps: apply(x, weight, eps)[0]
     run = dispatch.rebind(recorded, "rms_norm_fwd", x if flat else x.view(rows_of), weight, eps, stats=False)
     if run is None or flat:
         return run

@@ -132,9 +132,11 @@ def _fast(plan: Any, request: str, x: Tensor, dim: int) -> Any:
     run, rows_of = bound(plan, "softmax_fwd"), rows_view(x)
     if run is None or rows_of is None or dim % x.dim() != x.dim() - 1:
         return None
+    flat = x.dim() == 2
     if wants_grad(x):
-        run = Lane(run, _setup, _backward, request, 1).apply
-    if x.dim() == 2:
+        apply = Lane(run, _setup, _backward, request, 1, None if flat else x.shape, rows_of, 1, 1).apply
+        return lambda x, dim: apply(x)
+    if flat:
         return lambda x, dim: run(x)
     shape = x.shape
     return lambda x, dim: run(x.view(rows_of)).view(shape)
