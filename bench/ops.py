@@ -11,6 +11,7 @@ the layout of SDPA's measured peers) and K the batch B.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -400,6 +401,8 @@ def flops(op: OpBench, mode: str, m: int, n: int, k: int) -> float | None:
 def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callable[..., object] | None:
     """``op``'s forward on ``backend``: hkernels' backends inside a ``use_backend`` scope per call, PyTorch eager,
     torch.compile of eager (compiled once per op, kept in ``compiled``), or a peer (None where it lacks the op)."""
+    if backend == "auto" and not os.environ.get("HKERNELS_BACKEND"):
+        return op.kernel  # the default: no scope per call (a user calling the op plainly enters none)
     if backend in ("helion", "triton", "auto"):
         def run(*a: Tensor) -> object:
             with hkernels.use_backend(backend):

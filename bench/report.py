@@ -50,13 +50,13 @@ def host_bound(rows: list[Row]) -> list[str]:
     sets the pace (the µs a caller waits that a CUDA graph would remove)."""
     lines = []
     for r in rows:
-        if r.backend in OURS and not r.error and r.ms and r.ms_eager and "graph" in r.timing:
-            if r.ms_eager > 1.15 * r.ms:
-                eager = next((e for e in rows if e.backend == "torch" and (e.op, e.m, e.n, e.k, e.mode)
-                              == (r.op, r.m, r.n, r.k, r.mode) and e.ms_eager), None)
-                lines.append(f"| {r.op} | {shape_of(r)} | {r.mode} | {r.backend} | {r.ms * 1e3:.1f} | "
-                             f"{r.ms_eager * 1e3:.1f} | {r.ms_eager / r.ms:.2f} | "
-                             f"{_f(eager.ms_eager * 1e3 if eager else None, '.1f')} |")
+        if (r.backend in OURS and not r.error and r.ms and r.ms_eager and "graph" in r.timing
+                and r.ms_eager > 1.15 * r.ms):
+            eager = next((e for e in rows if e.backend == "torch" and (e.op, e.m, e.n, e.k, e.mode)
+                          == (r.op, r.m, r.n, r.k, r.mode) and e.ms_eager), None)
+            lines.append(f"| {r.op} | {shape_of(r)} | {r.mode} | {r.backend} | {r.ms * 1e3:.1f} | "
+                         f"{r.ms_eager * 1e3:.1f} | {r.ms_eager / r.ms:.2f} | "
+                         f"{_f(eager.ms_eager * 1e3 if eager else None, '.1f')} |")
     return lines
 
 
