@@ -116,3 +116,19 @@ def test_a_backward_plan_per_gradient_layout(device):
             want = torch.autograd.grad(ref, (x64, w64), dy.double(), retain_graph=True)
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_autocast_gets_plans_of_its_own(device):
+    """Autocast changes the dtypes of the PyTorch ops inside a body (the linear loss's matmuls): a call under it and
+    the same call without it each get a plan, and each stays right."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = _t(g, 8, 16).to(device), _t(g, 64, 16, scale=0.25).to(device)
+    target = torch.randint(0, 64, (8,), generator=g).to(device)
+    want = hkernels.references.fused_linear_cross_entropy(hidden.double(), weight.double(), target)
+    plans = registry.load("fused_linear_cross_entropy", "torch")._CALLS.plans
+    plans.clear()
+    for autocast in (False, True, False, True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            got = hkernels.fused_linear_cross_entropy(hidden, weight, target)
+        torch.testing.assert_close(got.double(), want, rtol=2e-2 if autocast else 1e-4, atol=1e-4)
+    assert len(plans) == 2

@@ -1,10 +1,15 @@
 """A lean launch path for Triton kernels, used by the hand-written kernels and as Helion's launcher.
 
 ``kernel[grid](*args, **meta)`` runs ``JITFunction.run`` on every call: it binds and specialises each argument,
-hashes a cache key, checks globals and builds launch metadata before the compiled launcher runs. On the H200's host
-that costs more than the kernel at decode shapes (measured: a direct ``rms_norm`` launch 20-31 µs against 7.6-10
-µs for the whole of ``F.rms_norm``). Here the first call for a *specialisation key* goes through Triton (which
-compiles, caches and launches), and later calls with the same key call the compiled launcher directly.
+hashes a cache key, checks globals and builds launch metadata before the compiled launcher runs, which costs more
+than the kernel at decode shapes. Three ways past it, fastest last:
+
+- :func:`launch`: the first call for a *specialisation key* goes through Triton (which compiles, caches and
+  launches), later calls with the same key call the compiled launcher directly;
+- inside a replayed plan (``_plan.py``), :func:`launch` takes the compiled kernel the plan recorded, no key built;
+- :class:`Bound` (a launch set up once for one call signature, by a backend function's binder) and
+  :func:`bound_launcher` (the same for a bound Helion function) call the compiled kernel's C launch function
+  directly (:func:`direct`), skipping also the launcher's Python wrapper where the kernel needs no scratch memory.
 
 The key is finer than Triton's own specialisation, so a kernel is never reused where Triton would have compiled
 another: a tensor gives (dtype, 16-byte aligned), an int (== 1, divisible by 16, i32 / i64 / u64 range), a float or

@@ -3,11 +3,14 @@
 A public call ``hkernels.<op>(...)`` runs through :class:`Public`:
 
 - in a plain eager call (no ``torch.compile``, functorch transform, dispatch or function mode, jit tracing or
-  tensor subclass) it computes one key of the call's signature: the backend request, grad mode, and per argument
-  its dtype, shape, strides, pointer alignment, device and requires_grad (a scalar: its value). The first call of
-  a key checks the arguments and records a plan (``triton_fallback/_plan.py``): which path each custom op took,
-  which backend each kernel function ran on, which compiled kernel each launch used. Later calls of the key skip
-  the checks (they are properties of the signature) and replay the plan: the op's Python runs, its lookups do not.
+  tensor subclass) it computes one key of the call's signature: the backend request, grad mode, autocast's state,
+  and per argument its dtype, shape, strides, pointer alignment, device and requires_grad (a scalar: its value).
+  The first call of a key checks the arguments and records a plan (``triton_fallback/_plan.py``): which path each
+  custom op took, which backend each kernel function ran on (bound to the signature where the backend offers a
+  binder), which compiled kernel each launch used. Later calls of the key skip the checks (they are properties of
+  the signature) and replay the plan: the op's Python runs, its lookups do not. A row op also builds, from its
+  plan, a one-step path (``fast``): its bound kernel function called directly, or inside a :class:`Lane` (one
+  autograd node) when a gradient is wanted.
 - each op is a pair of ``torch.library`` custom ops (``hkernels::<op>_fwd`` / ``_bwd``) with fake kernels and an
   autograd formula, so ``torch.compile(fullgraph=True)`` traces through it; a plain eager call runs the custom ops'
   Python bodies directly (:func:`call`), through an equivalent ``autograd.Function`` when a gradient is wanted,
@@ -65,6 +68,12 @@ def _sig(a: Any) -> Any:
     return _other(a)
 
 
+def _autocast() -> tuple[Any, ...]:
+    """Autocast's state, where it is on: it changes the dtypes PyTorch ops inside a body produce (the linear loss's
+    matmuls), and so what a plan recorded."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu"))
+
+
 def _other(a: Any) -> Any:
     """_sig of an argument that is not a plain tensor."""
     if isinstance(a, Tensor):
@@ -101,9 +110,10 @@ class Public:
                     or not _plan.enabled):  # (_modes, inlined: this runs on every call)
                 raise _NotPlain
             # (a list display: one frame for all arguments, per argument what _sig gives)
-            key = (request, torch.is_grad_enabled(), *[
-                (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.device, a.requires_grad)
-                if a.__class__ in _PLAIN_SET else _other(a) for a in args])
+            key = (request, torch.is_grad_enabled(),
+                   _autocast() if torch._C._is_any_autocast_enabled() else None, *[
+                       (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.device, a.requires_grad)
+                       if a.__class__ in _PLAIN_SET else _other(a) for a in args])
             plan = self.plans.get(key)
         except (_NotPlain, TypeError, AttributeError):  # a subclass, an unhashable or odd argument: no plan
             self.check(*args)
@@ -206,7 +216,8 @@ def _planned_backward(plans: dict[Any, _plan.Plan] | None, backward: Callable[..
     if plans is None or not _plan.enabled or _modes():
         return backward(ctx, *grads)
     try:
-        key = (torch.is_grad_enabled(), *map(_sig, grads))
+        key = (torch.is_grad_enabled(), _autocast() if torch._C._is_any_autocast_enabled() else None,
+               *map(_sig, grads))
         plan = plans.get(key)
     except (_NotPlain, TypeError, AttributeError):
         return _plan.outside(backward, ctx, *grads)
