@@ -329,7 +329,8 @@ def _line(row) -> str:
         return f"{what}: {row.error[:100]}"
     rate = f"{row.gbps:.0f} GB/s ({row.pct_copy:.1f}% of copy)" if row.gbps else f"{row.tflops or 0:.0f} TFLOP/s"
     return (
-        f"{what}: GPU {row.ms:.4f} ms, from Python {row.us_call or 0:.1f} µs/call, {rate}, "
+        f"{what}: {'GPU ' if 'graph' in row.timing else ''}{row.ms:.4f} ms, from Python {row.us_call or 0:.1f} "
+        f"µs/call, {rate}, "
         f"peak {row.peak_mib or 0:.0f} MiB, "
         f"max err {row.max_err:.1e} (first call {row.first_s or 0:.1f} s, row {row.bench_s or 0:.1f} s)"
     )
