@@ -411,6 +411,7 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
             return getattr(entry, fn)(*args)
         return entry(*args)
     slot = _plan.reserve(fn)  # recording: what to replay is known once the call has run
+    request = request or requested(op)
     key = None
     if slot < 0 and not _plan.active():
         key = _bound_key(op, fn, request, args)
@@ -418,7 +419,6 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
             found = _bound.get(key)
             if found is not None:
                 return found(*args)
-    request = request or requested(op)
     tensors = _tensors(args)
     backend, module = _route(op, fn, request, tensors)
     if backend == "triton" and request == "auto":
@@ -451,7 +451,7 @@ def _bound_key(op: str, fn: str, request: str, args: tuple[Any, ...]) -> tuple[A
     the other), an unhashable one, or any Helion failure remembered (checked per call on the unbound path)."""
     if _helion_failures or _triton_failures:
         return None
-    key: list[Any] = [op, fn, request or requested(op)]
+    key: list[Any] = [op, fn, request]
     seen: set[int] = set()
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -101,18 +101,22 @@ def test_a_plan_is_not_reused_across_alignment_strides_or_grad_mode(device):
     assert len(plans) == 6
 
 
-def test_a_backward_plan_per_gradient_layout(device):
-    """The same forward, then backwards with gradients of other layouts (contiguous, expanded, transposed storage):
-    each right, each with a plan of its own."""
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_a_backward_plan_per_gradient_layout(backend, device):
+    """The same forward, then backwards with gradients of other layouts (contiguous, a column slice of a wider
+    tensor, expanded, transposed storage),
+    each twice: each right (a backward replayed with another layout's bound kernel reads dy with the wrong row
+    stride)."""
     g = torch.Generator().manual_seed(1)
     x = _t(g, 6, 32).to(device).requires_grad_()
     w = (_t(g, 32) + 1).to(device).requires_grad_()
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = hkernels.references.rms_norm(x64, w64)
-    for dy in (torch.randn(6, 32, device=device), torch.ones(1, 1, device=device).expand(6, 32),
-               torch.randn(32, 6, device=device).t()):
+    for dy in (torch.randn(6, 32, device=device), torch.randn(6, 64, device=device)[:, 16:48],  # row stride 64
+               torch.ones(1, 1, device=device).expand(6, 32), torch.randn(32, 6, device=device).t()):
         for _ in range(2):
-            got = torch.autograd.grad(hkernels.rms_norm(x, w), (x, w), dy)
+            with hkernels.use_backend(backend):
+                got = torch.autograd.grad(hkernels.rms_norm(x, w), (x, w), dy)
             want = torch.autograd.grad(ref, (x64, w64), dy.double(), retain_graph=True)
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
@@ -132,3 +136,31 @@ def test_autocast_gets_plans_of_its_own(device):
             got = hkernels.fused_linear_cross_entropy(hidden, weight, target)
         torch.testing.assert_close(got.double(), want, rtol=2e-2 if autocast else 1e-4, atol=1e-4)
     assert len(plans) == 2
+
+
+def test_learned_rotary_tables_get_gradients_under_compile_and_modes(device):
+    """rope's tables that require grad get their gradients on every path: plain (the plan's replay), under
+    torch.compile and under a function mode (the custom op), which decide it from the tables themselves."""
+    g = torch.Generator().manual_seed(3)
+    q, k = _t(g, 1, 2, 5, 8).to(device).requires_grad_(), _t(g, 1, 1, 5, 8).to(device).requires_grad_()
+    cos, sin = _t(g, 5, 8).to(device).requires_grad_(), _t(g, 5, 8).to(device).requires_grad_()
+    leaves = (q, k, cos, sin)
+
+    def loss(fn: Callable[..., Any]) -> Tensor:
+        return sum(t.float().sum() * (i + 2) for i, t in enumerate(fn(*leaves)))
+
+    want = torch.autograd.grad(loss(hkernels.references.rope), leaves)
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    compiled = torch.compile(lambda *a: hkernels.rope(*a), backend="aot_eager", fullgraph=True)
+    for path in ("plain", "plain", "compile", "mode"):
+        if path == "mode":
+            with Mode():
+                got = torch.autograd.grad(loss(hkernels.rope), leaves)
+        else:
+            got = torch.autograd.grad(loss(compiled if path == "compile" else hkernels.rope), leaves)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
