@@ -40,9 +40,11 @@ CASES: dict[str, tuple[Callable[[torch.Generator], tuple[list[Tensor], list[Any]
 }
 
 
-def _run(case: str, seed: int, grad: bool) -> tuple[list[Tensor], list[Tensor]]:
+def _run(case: str, seed: int, grad: bool, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
     make, fn = CASES[case]
     tensors, rest = make(torch.Generator().manual_seed(seed))
+    tensors = [t.to(device) for t in tensors]
+    rest = [r.to(device) if isinstance(r, Tensor) else r for r in rest]
     leaves = [t.requires_grad_(grad) for t in tensors]
     with torch.set_grad_enabled(grad):
         out = fn(*leaves, *rest)
@@ -68,9 +70,9 @@ def _plans(case: str) -> list[Any]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replayed_calls_equal_the_first(case, backend, grad, device):
     with hkernels.use_backend(backend):
-        first = _run(case, 0, grad)
-        for _ in range(2):  # replays of the recorded plan (or its fast path), on equal inputs
-            again = _run(case, 0, grad)
+        first = _run(case, 0, grad, device)
+        for _ in range(3):  # replays of the recorded plan (or its fast paths: forward, then backward), on equal inputs
+            again = _run(case, 0, grad, device)
             _equal(first[0], again[0], f"{case} on {backend}: forward")
             _equal(first[1], again[1], f"{case} on {backend}: gradients")
     plans = _plans(case)

@@ -394,9 +394,11 @@ def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None,
     upcast = interpreting() and dtype == torch.bfloat16
     y_example = torch.empty((nb, m, n), dtype=dtype, device="meta")  # y's layout (a fresh buffer: aligned)
     layouts = [_tma_layout(t) for t in (a3, b3, y_example)]
-    # TMA needs every operand in a suitable layout (y's rows: N a multiple of 8 elements), and K > 0
-    tma = k > 0 and all(lay is not None for lay in layouts) and not layouts[2][2]
     sms = num_sms(device)
+    # TMA needs every operand in a suitable layout (y's rows: N a multiple of 8 elements), and K > 0. Decode rows
+    # (tile class 0) take the pointer kernel: the same tiles, and no tensor descriptors to build per call (their
+    # host time exceeds the kernel's GPU time there).
+    tma = k > 0 and all(lay is not None for lay in layouts) and not layouts[2][2] and tile_class(m, n, nb, sms) > 0
     cfg = matmul_config(m, n, k, nb, dtype, sms, tma)
     tiles = nb * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     meta = {"ACTIVATION": act, "KEEP_PRE": keep, "UPCAST": upcast, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,

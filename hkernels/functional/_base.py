@@ -148,6 +148,14 @@ def bound(plan: _plan.Plan, fn: str) -> Callable[..., Any] | None:
     return None if found is None or isinstance(found, types.ModuleType) else found
 
 
+def bound_backward(plan: _plan.Plan, fn: str, *grads: Tensor | None) -> Callable[..., Any] | None:
+    """For a one-step backward (a :class:`Lane`'s ``fast``): the bound kernel function ``fn`` its recorded plan
+    ran, where each gradient reached it as it came (present, unit stride along rows: ``rows`` copied nothing)."""
+    if any(g is None or g.stride(-1) != 1 for g in grads):
+        return None
+    return bound(plan, fn)
+
+
 def rows_view(x: Tensor) -> tuple[int, int] | None:
     """(M, N) when x [..., N] with unit stride along N is viewable as [M, N] rows (the fast paths' condition), else
     None."""
@@ -210,22 +218,31 @@ def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None
 
 
 def _planned_backward(plans: dict[Any, _plan.Plan] | None, backward: Callable[..., Any], ctx: Any,
-                      grads: tuple[Any, ...]) -> Any:
+                      grads: tuple[Any, ...], fast: Callable[..., Any] | None = None) -> Any:
     """``backward(ctx, *grads)``, replaying the plan ``plans`` holds for these gradients' signature (recorded by the
-    first backward of it); plainly where there is no table (the custom-op path) or a mode is active."""
+    first backward of it); plainly where there is no table (the custom-op path) or a mode is active. ``fast(plan,
+    ctx, *grads)``, optional, builds from a plan just recorded (grad mode off: no double backward) a function that
+    does the same backward in one step, or returns None."""
     if plans is None or not _plan.enabled or _modes():
         return backward(ctx, *grads)
     try:
-        key = (torch.is_grad_enabled(), _autocast() if torch._C._is_any_autocast_enabled() else None,
-               *map(_sig, grads))
+        grad_mode = torch.is_grad_enabled()
+        key = (grad_mode, _autocast() if torch._C._is_any_autocast_enabled() else None, *map(_sig, grads))
         plan = plans.get(key)
     except (_NotPlain, TypeError, AttributeError):
         return _plan.outside(backward, ctx, *grads)
-    if plan is None:
-        if len(plans) >= 64:
-            plans.clear()
-        plan = plans[key] = _plan.Plan()
-    return _plan.run(plan, backward, (ctx, *grads))
+    if plan is not None:
+        one_step = plan.fast
+        if one_step is not None:
+            return one_step(ctx, *grads)
+        return _plan.run(plan, backward, (ctx, *grads))
+    if len(plans) >= 64:
+        plans.clear()
+    plan = plans[key] = _plan.Plan()
+    out = _plan.run(plan, backward, (ctx, *grads))
+    if fast is not None and not grad_mode:
+        plan.fast = fast(plan, ctx, *grads)
+    return out
 
 
 class Lane:
@@ -234,15 +251,17 @@ class Lane:
     formula, replaying a plan per gradient signature. ``apply(*args)`` takes the custom op's arguments without
     its trailing backend request (``n`` of them), and returns its outputs. With ``shape``, the first ``k``
     arguments are [..., N] tensors of that shape, viewed as ``rows`` [M, N] inside the autograd node (as are the
-    first ``outs`` outputs and their gradients, back): no view nodes in the graph around it."""
+    first ``outs`` outputs and their gradients, back): no view nodes in the graph around it. ``fast``: the op's
+    builder of a one-step backward from a recorded backward plan (see :func:`_planned_backward`)."""
 
-    __slots__ = ("apply", "backward", "fwd", "k", "n", "outs", "plans", "request", "rows", "setup", "shape")
+    __slots__ = ("apply", "backward", "fast", "fwd", "k", "n", "outs", "plans", "request", "rows", "setup",
+                 "shape")
 
     def __init__(self, fwd: Callable[..., Any], setup: Callable[..., None], backward: Callable[..., Any],
                  request: str, n: int, shape: torch.Size | None = None, rows: tuple[int, int] | None = None,
-                 k: int = 0, outs: int = 0) -> None:
+                 k: int = 0, outs: int = 0, fast: Callable[..., Any] | None = None) -> None:
         self.fwd, self.setup, self.backward, self.request, self.n = fwd, setup, backward, request, n
-        self.shape, self.rows, self.k, self.outs = shape, rows, k, outs
+        self.shape, self.rows, self.k, self.outs, self.fast = shape, rows, k, outs, fast
         self.plans: dict[Any, _plan.Plan] = {}
         lane = self
         self.apply = lambda *args: _lane_apply(lane, *args)
@@ -271,7 +290,7 @@ class _LaneFunction(torch.autograd.Function):
         if shape is not None:
             rows = lane.rows
             grads = (*[g if g is None else g.reshape(rows) for g in grads[:lane.outs]], *grads[lane.outs:])
-        out = _planned_backward(lane.plans, lane.backward, ctx, grads)[:lane.n]
+        out = _planned_backward(lane.plans, lane.backward, ctx, grads, lane.fast)[:lane.n]
         if shape is not None:
             out = (*[g if g is None else g.view(shape) for g in out[:lane.k]], *out[lane.k:])
         return None, *out

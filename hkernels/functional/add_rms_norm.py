@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     as_rows,
     autograd,
     bound,
+    bound_backward,
     call,
     check_eps,
     check_input,
@@ -115,6 +116,19 @@ def _backward(ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | N
 autograd(_fwd, _backward, _setup)
 
 
+def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | None) -> Any:
+    """_backward in one step for gradients of this signature: the kernel function its plan ran."""
+    run = bound_backward(plan, "add_rms_norm_bwd", dy, *(() if ds is None else (ds,)))
+    if run is None:
+        return None
+
+    def backward(ctx: Any, dy: Tensor, ds: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+        s, weight, rstd = ctx.saved_tensors
+        dsum, dw = run(dy, ds, s, weight, rstd)
+        return dsum, dsum, dw, None
+    return backward
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -153,7 +167,8 @@ def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor |
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, residual, weight):
-        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 2, 2).apply
+        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 2, 2,
+                     _backward_fast).apply
         return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
     x2, r2 = (x, residual) if flat else (x.view(rows_of), residual.view(rows_of))
     run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)

@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     as_rows,
     autograd,
     bound,
+    bound_backward,
     call,
     check_same,
     check_tensor,
@@ -98,6 +99,18 @@ def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
 autograd(_fwd, _backward, _setup)
 
 
+def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None) -> Any:
+    """_backward in one step for gradients of this signature: the kernel function its plan ran."""
+    run = bound_backward(plan, "geglu_bwd", dy)
+    if run is None:
+        return None
+
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        gate, up = ctx.saved_tensors
+        return (*run(dy, gate, up, ctx.approximate), None)
+    return backward
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -135,7 +148,8 @@ def _fast(plan: Any, request: str, gate: Tensor, up: Tensor, approximate: str) -
         return None
     flat = gate.dim() == 2
     if wants_grad(gate, up):
-        return Lane(run, _setup, _backward, request, 3, None if flat else gate.shape, rows_of, 2, 1).apply
+        return Lane(run, _setup, _backward, request, 3, None if flat else gate.shape, rows_of, 2, 1,
+                        _backward_fast).apply
     if flat:
         return run
     shape = gate.shape

@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     as_rows,
     autograd,
     bound,
+    bound_backward,
     call,
     check_eps,
     check_input,
@@ -116,6 +117,20 @@ def _backward(ctx: Any, dy: Tensor | None, _dmean: Tensor | None, _drstd: Tensor
 autograd(_fwd, _backward, _setup)
 
 
+def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _dmean: Tensor | None, _drstd: Tensor | None) -> Any:
+    """_backward in one step for gradients of this signature: the kernel function its plan ran (rows of more than
+    one element: see _bwd)."""
+    run = bound_backward(plan, "layer_norm_bwd", dy)
+    if run is None or dy.shape[-1] == 1:  # type: ignore[union-attr]
+        return None
+
+    def backward(ctx: Any, dy: Tensor, _dmean: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = run(dy, x, weight, bias, mean, rstd)
+        return dx, dw, db, None
+    return backward
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -167,7 +182,8 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tenso
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight, bias):
-        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 1, 1).apply
+        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 1, 1,
+                     _backward_fast).apply
         return lambda x, weight, bias, eps: apply(x, weight, bias, eps)[0]
     run = dispatch.rebind(recorded, "layer_norm_fwd", x if flat else x.view(rows_of), weight, bias, eps, stats=False)
     if run is None or flat:

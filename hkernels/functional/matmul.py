@@ -17,11 +17,13 @@ from hkernels.functional._base import (
     Public,
     Tensor,
     autograd,
+    bound,
     call,
     check_same,
     check_tensor,
     compute_dtype,
     placeholder,
+    wants_grad,
 )
 
 OP = "matmul"
@@ -183,4 +185,13 @@ def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
     return (d * dgelu).to(dy.dtype)
 
 
-_CALLS = Public(OP, _check, _body)
+def _fast(plan: Any, request: str, a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None) -> Any:
+    """Calls of this signature without a gradient in one step: the kernel function the plan ran."""
+    run = bound(plan, "matmul_fwd")
+    if run is None or wants_grad(a, b, bias) or a.numel() == 0 or b.numel() == 0:
+        return None
+    act = activation or None
+    return lambda a, b, bias, activation: run(a, b, bias, act, False)[0]
+
+
+_CALLS = Public(OP, _check, _body, _fast)

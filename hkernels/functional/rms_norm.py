@@ -18,6 +18,7 @@ from hkernels.functional._base import (
     as_rows,
     autograd,
     bound,
+    bound_backward,
     call,
     check_eps,
     check_input,
@@ -101,6 +102,19 @@ def _backward(ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> tuple[Tenso
 autograd(_fwd, _backward, _setup)
 
 
+def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> Any:
+    """_backward in one step for gradients of this signature: the kernel function its plan ran."""
+    run = bound_backward(plan, "rms_norm_bwd", dy)
+    if run is None:
+        return None
+
+    def backward(ctx: Any, dy: Tensor, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = run(dy, x, weight, rstd)
+        return dx, dw, None
+    return backward
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -142,7 +156,8 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight):
-        apply = Lane(recorded, _setup, _backward, request, 3, None if flat else shape, rows_of, 1, 1).apply
+        apply = Lane(recorded, _setup, _backward, request, 3, None if flat else shape, rows_of, 1, 1,
+                     _backward_fast).apply
         return lambda x, weight, eps: apply(x, weight, eps)[0]
     run = dispatch.rebind(recorded, "rms_norm_fwd", x if flat else x.view(rows_of), weight, eps, stats=False)
     if run is None or flat:

@@ -18,6 +18,7 @@ from hkernels.functional._base import (
     as_rows,
     autograd,
     bound,
+    bound_backward,
     call,
     check_input,
     compute_dtype,
@@ -104,6 +105,18 @@ def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None]:
 autograd(_fwd, _backward, _setup)
 
 
+def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None) -> Any:
+    """_backward in one step for gradients of this signature: the kernel function its plan ran."""
+    run = bound_backward(plan, "softmax_bwd", dy)
+    if run is None:
+        return None
+
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        (y,) = ctx.saved_tensors
+        return (run(dy, y),)
+    return backward
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -134,7 +147,8 @@ def _fast(plan: Any, request: str, x: Tensor, dim: int) -> Any:
         return None
     flat = x.dim() == 2
     if wants_grad(x):
-        apply = Lane(run, _setup, _backward, request, 1, None if flat else x.shape, rows_of, 1, 1).apply
+        apply = Lane(run, _setup, _backward, request, 1, None if flat else x.shape, rows_of, 1, 1,
+                     _backward_fast).apply
         return lambda x, dim: apply(x)
     if flat:
         return lambda x, dim: run(x)
