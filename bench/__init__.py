@@ -1,1 +1,1 @@
-"""Comparative benchmarks: ``python -m bench``."""
+"""hkernels' benchmarks and the tools around them: ``python -m bench <command>`` (``python -m bench --help``)."""

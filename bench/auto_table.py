@@ -1,45 +1,34 @@
-"""``python -m bench.auto_table RESULTS.json ... --out FILE``: the ``auto`` backend's table from measured benchmarks.
+"""python -m bench auto-table RESULTS.json ... --out FILE: the auto backend's table from measured benchmarks.
 
 For each op and each measured shape it compares Helion's and Triton's times (the sum over the modes measured:
 forward and forward+backward, or per-call latency for decode-sized rows, where the host's work is what a caller
 waits for) and writes which backend to use for the shapes around it. The dispatcher reads the table
-(``hkernels/configs/auto/<arch>.json``, or the tune command's copy in the user cache) to resolve ``auto``.
+(hkernels/configs/auto/<arch>.json, or the tune command's copy in the user cache) to resolve auto.
 
-Shapes are described as the dispatcher sees a call: ``rows`` = elements of the op's first tensor / its last dim,
-``n`` = its last dim. A bucket covers rows ≤ max_rows and n ≤ max_n (null: no bound); the first bucket that covers
+Shapes are described as the dispatcher sees a call: rows = elements of the op's first tensor / its last dim,
+n = its last dim. A bucket covers rows <= max_rows and n <= max_n (null: no bound); the first bucket that covers
 a call wins, so buckets are written by ascending n, then ascending rows. A later result file replaces an earlier
 one's numbers for the same shape entirely (give the newest last); consecutive files of one folder count as one run
-(their numbers join, per backend: keep one run per folder). Files of
-``python -m bench.latency`` count too: ``--gpu-time`` rows as GPU time of their mode, host-loop rows as per-call
-latency (session 6's hand-made buckets came from such files; now they can be rebuilt).
+(their numbers join, per backend: keep one run per folder). Files of python -m bench latency count too:
+--gpu-time rows as GPU time of their mode, host-loop rows as per-call latency. Which calls are judged by latency,
+and the buckets themselves, are the tune command's rules (hkernels.tune.auto).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.ops import HEAD_DIM
+from bench import cli
+from hkernels.tune.auto import buckets, host_bound
+from hkernels.tune.cases import HEAD_DIM
 
 # Benchmark rows that are variants of one op: they share the op's buckets (times are summed).
 _OP_OF = {"attention_causal": "attention", "matmul_gelu": "matmul"}
-LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare per-call latency
-# ... and at or below this many elements (rope at 64 tokens is 2048 rows of 128 elements per head: its GPU time is a
-# few µs, while Helion's host path took 2x Triton's there on the H200, and the GPU-time rule had picked Helion)
-LATENCY_ELEMENTS = 64 * 4096
-TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
-# Ops whose GPU work is not in (rows, n): matmul's N, the linear loss's vocabulary, attention's keys
-_WORK_BEYOND_ROWS = ("matmul", "fused_linear_cross_entropy", "attention")
-
-
-def host_bound(rows: int, n: int, op: str = "") -> bool:
-    """Whether a call of ``op`` at ``rows`` × ``n`` (as the dispatcher buckets it) is judged by its per-call latency
-    (host work) rather than GPU time."""
-    return rows <= LATENCY_ROWS or (op not in _WORK_BEYOND_ROWS and rows * n <= LATENCY_ELEMENTS)
 
 
 def dispatch_shape(op: str, m: int, n: int, k: int) -> tuple[int, int]:
@@ -58,32 +47,8 @@ def _score(row: dict[str, Any], latency: bool) -> float | None:
     return row.get("ms")
 
 
-Point = tuple[int, int, float, float, str, str]  # rows, n, helion time, triton time, where, unit (and modes)
-
-
-def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
-    """An op's auto buckets from measured points, by ascending n, then rows; each point's bucket covers the rows
-    above the previous point's (the last open-ended), and the faster backend wins it (Triton must win by TIE to
-    displace Helion, the primary path). The n bounds: up to each n, the last open-ended (``exact_n=False``, the
-    shipped table: every row length gets a choice); or exactly each n (the tune command's: tried before the
-    shipped buckets, which still decide the row lengths that were not tuned)."""
-    ns = sorted({p[1] for p in points})
-    out = []
-    for j, n in enumerate(ns):
-        here = sorted(p for p in points if p[1] == n)
-        for i, (rows, _, helion, triton, where, unit) in enumerate(here):
-            bounds = {"min_n": n, "max_n": n} if exact_n else {"max_n": n if j + 1 < len(ns) else None}
-            out.append({
-                "max_rows": rows if i + 1 < len(here) else None,
-                **bounds,
-                "backend": "triton" if triton < TIE * helion else "helion",
-                "measured": f"{where}: helion {helion:.4g}, triton {triton:.4g} {unit}",
-            })
-    return out
-
-
 def _rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """A results file's benchmark rows; a ``python -m bench.latency`` file's rows put in the same form: GPU time
+    """A results file's benchmark rows; a ``python -m bench latency`` file's rows put in the same form: GPU time
     (``--gpu-time``, CUDA-graph replays) as ``ms`` of its mode, host-loop latency as ``us_call`` of the forward."""
     rows = []
     for row in data["rows"]:
@@ -102,7 +67,7 @@ def _rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def build(paths: list[Path]) -> dict[str, Any]:
     # (op, rows, n) -> {(bench op, mode): {backend: score}}; later runs win per key. Files in one folder are one run
-    # (a bench.latency --gpu-time pass per mode writes one file each): their numbers join before they replace.
+    # (a latency --gpu-time pass per mode writes one file each): their numbers join before they replace.
     cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
     for _, run in itertools.groupby(paths, key=lambda p: p.resolve().parent):  # consecutive files of one folder
         data = {"rows": [row for path in run for row in _rows_of(json.loads(path.read_text()))]}
@@ -132,26 +97,28 @@ def build(paths: list[Path]) -> dict[str, Any]:
                 points.append((rows, n, sum(v["helion"] for v in measured.values()),
                                sum(v["triton"] for v in measured.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))
         table[op] = buckets(points, exact_n=False)
-    return {"_about": "auto's backend per op and shape bucket, from python -m bench.auto_table "
+    return {"_about": "auto's backend per op and shape bucket, from python -m bench auto-table "
                       f"{' '.join(str(p) for p in paths)}", **table}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.auto_table", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("auto-table", __doc__)
     parser.add_argument("results", nargs="+", type=Path,
-                        help="bench results.json and bench.latency JSON files, oldest first (one folder = one run)")
+                        help="results.json files of python -m bench and latency.json files of python -m bench "
+                             "latency, oldest first (one folder = one run)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the table (JSON)")
     args = parser.parse_args(argv)
     table = build(args.results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n")
-    for op, buckets in table.items():
+    for op, op_buckets in table.items():
         if op.startswith("_"):
             continue
-        picks = ", ".join(f"{b['backend']}≤({b['max_rows']},{b['max_n']})" for b in buckets)
+        picks = ", ".join(f"{b['backend']}≤({b['max_rows']},{b['max_n']})" for b in op_buckets)
         print(f"{op}: {picks}")
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,13 +1,13 @@
-"""``python -m bench.first_call``: how long the first call of each op takes in a fresh process (compiling).
+"""python -m bench first-call: how long the first call of each op takes in a fresh process (compiling).
 
-For each op × dtype × backend a new Python process, with empty private cache folders (Triton, TorchInductor,
+For each op x dtype x backend a new Python process, with empty private cache folders (Triton, TorchInductor,
 Helion, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on the host clock
 with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds to import),
 the first forward call (tracing, code generation, compiling), the first backward call, then a second (warm)
 forward and backward. That is what a user pays on a machine that has never run hkernels. Rows whose first
-forward or backward takes over ``--slow`` seconds (3 by default) are flagged. A process that fails or outlives
-``--timeout`` gives a row with its error. Writes results.json and table.txt in ``--out`` (default
-bench/results/<gpu>/first_call).
+forward or backward takes over --slow seconds are flagged. A process that fails or outlives --timeout gives a row
+with its error. Writes results.json and table.txt in --out. On a CPU (HKERNELS_INTERPRET=1, --quick) it runs as a
+check of the command: interpreted kernels compile nothing, so the times measure nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench import cli
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = "FIRST_CALL_JSON "  # the child's result line: kernels and compilers may print to stdout too
@@ -90,7 +93,8 @@ def _child(spec: dict[str, Any], out: dict[str, Any]) -> None:
         return value, time.perf_counter() - t0
 
     hkernels, out["import_s"] = clock(lambda: importlib.import_module("hkernels"))  # CUDA is up before the clock
-    from bench.ops import OPS, make_inputs
+    from bench.ops import OPS
+    from hkernels.tune.cases import make_inputs
 
     op = OPS[spec["op"]]
     device = torch.device("cuda" if cuda else "cpu")
@@ -145,7 +149,7 @@ def run_one(op: str, dtype: str, backend: str, shape: tuple[int, int, int], time
         t0 = time.perf_counter()
         # Its own session: on a timeout the compile workers it started go with it.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.first_call", "--child", spec],
+            [sys.executable, "-m", "bench", "first-call", "--child", spec],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -208,34 +212,40 @@ def _line(r: Result, slow: float) -> str:
     return text + (f"; failed: {r.error[:100]}" if r.error else "")
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.first_call", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default="all", help="comma-separated ops (default: all)")
-    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="comma-separated")
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = cli.parser("first-call", __doc__)
+    p.add_argument("--ops", default="all", help="comma-separated ops, or all")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="comma-separated dtypes")
     p.add_argument("--backends", default="helion,triton", help="comma-separated, from helion, triton, auto")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (the only choice on CPU, in interpret mode)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds one subprocess may take (default 120)")
-    p.add_argument("--slow", type=float, default=3.0, help="flag first calls slower than this (seconds)")
-    p.add_argument(
-        "--jobs", type=int, default=1, help="subprocesses at once (default 1; more contend for the CPU that compiles)"
-    )
-    p.add_argument("--out", type=Path, default=None, help="default: bench/results/<gpu>/first_call")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (the only choice on a CPU, in interpret mode)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one subprocess may take")
+    p.add_argument("--slow", type=float, default=3.0, help="flag first calls slower than this many seconds")
+    p.add_argument("--jobs", type=int, default=1, help="subprocesses at once (more contend for the CPU that compiles)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write (default: bench/results/<gpu>/first_call; on a CPU, "
+                        "$TMPDIR/hkernels-bench/first_call)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     if args.child is not None:
         return _child_main(args.child)
+    from hkernels import _interpret
+
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not (args.quick and os.environ.get("HKERNELS_INTERPRET", "") == "1"):
+    if not on_gpu and not (args.quick and _interpret.enabled()):
         print(
-            "python -m bench.first_call times GPU compilation and found no CUDA GPU. Without one, only a smoke pass "
-            "runs: HKERNELS_INTERPRET=1 python -m bench.first_call --quick",
+            "python -m bench first-call times GPU compilation and found no CUDA GPU. Without one, only a check of the "
+            "command runs: HKERNELS_INTERPRET=1 python -m bench first-call --quick",
             file=sys.stderr,
         )
         return 2
+    if not on_gpu:
+        print("interpret mode on a CPU: nothing compiles, so these times measure nothing (a check of the command)",
+              file=sys.stderr)
 
     from bench import harness
     from bench.ops import OPS
@@ -254,9 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown {what}(s) {', '.join(bad)}; choose from {', '.join(choices)}", file=sys.stderr)
             return 2
     out = args.out or harness.default_out(device) / "first_call"
-    env = harness.environment(device)
+    env = harness.environment(device, command=shlex.join(["python", "-m", "bench", "first-call", *argv]))
     env.update(
-        command=" ".join(["python -m bench.first_call", *sys.argv[1:]]),
         timeout_s=args.timeout,
         jobs=args.jobs,
         caches=sorted(CACHE_VARS),

@@ -1,4 +1,5 @@
-"""Timing, ceilings and output for ``python -m bench``."""
+"""The rows, ceilings, checks and output of ``python -m bench``; the timers are the library's
+(``hkernels.tune.timing``), shared with the tune command."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+
+from hkernels.tune.timing import time_ms
+
+# Said in stdout and at the top of report.md when the kernels run in Triton's interpreter on a CPU.
+INTERPRETED = (
+    "Interpret mode on a CPU: the kernels run in Triton's interpreter, so their times measure nothing and none are "
+    "reported. This pass checks that every op x backend x mode runs and matches the float64 reference."
+)
+# The largest error (relative to the reference's largest value) a row may have, per dtype: a few units in the last
+# place of the dtype at that value, and more for long reductions; a coarse check that catches wrong results (the
+# test suite judges precision element by element).
+TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 4e-2}
 
 
 @dataclass
@@ -51,65 +64,6 @@ class Row:
     error: str = ""
 
 
-def time_quantiles(
-    fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100
-) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds of ``fn``: CUDA events with L2 flushed between runs (do_bench), or a host
-    clock on CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return float(med), float(p20), float(p80)
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[2], times[1], times[3]
-
-
-def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    return time_quantiles(fn, device)[0]
-
-
-def time_per_call(
-    fn: Callable[[], object],
-    device: torch.device,
-    loop_ms: float = 50.0,
-    min_calls: int = 20,
-    max_calls: int = 2000,
-    loops: int = 5,
-) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds per call of ``fn`` called back to back, over ``loops`` loops of N calls.
-
-    N makes a loop last about ``loop_ms`` (within [min_calls, max_calls]). Each loop is timed on the host clock
-    between two synchronizations, so a call costs max(its host work, its GPU time): the steady-state latency a
-    caller sees. Timing each call with CUDA events instead (do_bench) flushes L2 between calls, which hides the
-    host work of the next call behind the flush, so it is neither the GPU time nor the latency. The same inputs
-    every call: no fresh tensors, which would time the allocator too.
-    """
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def loop(n: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) * 1e3
-
-    # Warm-up that also finds the cost of a call: batches growing 4x until one lasts a tenth of a loop.
-    n = 1
-    while (elapsed := loop(n)) < loop_ms / 10 and n < max_calls:
-        n *= 4
-    calls = max(min_calls, min(max_calls, round(loop_ms * n / max(elapsed, 1e-6))))
-    times = sorted(loop(calls) / calls for _ in range(loops))
-    return times[len(times) // 2], times[round(0.2 * (len(times) - 1))], times[round(0.8 * (len(times) - 1))]
-
-
 def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     """MiB that one call of ``fn`` allocates beyond what was allocated before it, at its peak (CUDA only)."""
     if device.type != "cuda":
@@ -122,40 +76,6 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def capture_graph(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
-    """``fn`` captured as a CUDA graph, after a warm-up on a side stream (as graph capture of autograd requires)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def time_graph(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds of ``fn`` captured once as a CUDA graph and replayed (L2 flushed between
-    replays).
-
-    This is the GPU time of the kernels alone. Launched from Python, a call whose host work (argument checks,
-    dispatch, autograd bookkeeping) takes longer than its kernels leaves the GPU idle, and per-call timing then
-    measures the host: on the H200 machines here, whose CPUs are slow, that is tens of µs per op call.
-    """
-    graph = capture_graph(fn, device)
-    # do_bench spends its 25 + 100 ms whatever a replay costs, the bulk of a decode-shape row's measuring. A replay
-    # under 0.2 ms gets 5 + 20 ms: still hundreds of samples (each also zeroes the 256 MB flush buffer, ~0.08 ms).
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize(device)
-    tiny = (time.perf_counter() - t0) * 1e3 / 10 < 0.2
-    return time_quantiles(graph.replay, device, *((5, 20) if tiny else (25, 100)))
-
-
 def copy_gbps(device: torch.device) -> float:
     """Device-to-device copy bandwidth, bytes read plus written, on 1 GiB (well past the 60 MB L2)."""
     n = (1 << 30) // 2 if device.type == "cuda" else 1 << 20
@@ -165,7 +85,18 @@ def copy_gbps(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-def environment(device: torch.device) -> dict[str, object]:
+def tolerance(dtype: str) -> float:
+    return TOLERANCE[dtype]
+
+
+def within_tolerance(r: Row) -> bool:
+    """Whether the row's error is within its dtype's tolerance (a row with no error measured claims nothing)."""
+    return r.max_err is None or r.max_err <= TOLERANCE[r.dtype]
+
+
+def environment(device: torch.device, command: str | None = None) -> dict[str, object]:
+    """The run's environment; ``command`` is how it was started (default: python -m bench and this process's
+    arguments)."""
     def version(name: str) -> str:
         from importlib import metadata
 
@@ -191,7 +122,7 @@ def environment(device: torch.device) -> dict[str, object]:
         "liger_kernel": version("liger-kernel"),
         "python": platform.python_version(),
         "commit": commit,
-        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "command": command or " ".join(["python -m bench", *sys.argv[1:]]),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -243,6 +174,39 @@ def table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def check_table(rows: Iterable[Row]) -> str:
+    """One line per row of a run without timings: its largest error against the float64 reference, the tolerance,
+    and the verdict."""
+    head = f"{'op':<13} {'shape':>17} {'mode':<7} {'backend':<13} {'max err':>8} {'tolerance':>9}  result"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        what = f"{_short(r.op):<13} {shape_of(r):>17} {r.mode:<7} {r.backend:<13}"
+        if r.error:
+            lines.append(f"{what} failed: {r.error[:60]}")
+            continue
+        verdict = "ok" if within_tolerance(r) else "BEYOND TOLERANCE"
+        lines.append(f"{what} {_fmt(r.max_err, '8.1e')} {tolerance(r.dtype):9.0e}  {verdict}")
+    return "\n".join(lines)
+
+
+def check_summary(rows: list[Row]) -> str:
+    """One sentence: how many rows ran and matched the reference within tolerance, and the largest error."""
+    n_ops = len({r.op for r in rows})
+    ops = f"{n_ops} op{'s' if n_ops != 1 else ''}"
+    backends = ", ".join(dict.fromkeys(r.backend for r in rows))
+    modes = ", ".join(dict.fromkeys(r.mode for r in rows))
+    bad = [r for r in rows if r.error or not within_tolerance(r)]
+    checked = [r for r in rows if r.max_err is not None and not r.error]
+    worst = max(checked, key=lambda r: r.max_err / tolerance(r.dtype), default=None)
+    largest = (f"; the largest error {worst.max_err:.1e} ({worst.op} {shape_of(worst)} {worst.mode} {worst.backend}), "
+               f"tolerance {tolerance(worst.dtype):.0e} of max |reference| for {worst.dtype}") if worst else ""
+    if not bad:
+        return (f"{len(rows)} of {len(rows)} rows ({ops} x backends {backends} x modes {modes}) ran and matched "
+                f"the float64 reference within tolerance{largest}.")
+    return (f"{len(bad)} of {len(rows)} rows ({ops} x backends {backends} x modes {modes}) failed or missed the "
+            f"float64 reference beyond tolerance{largest}.")
+
+
 def write(out: Path, rows: list[Row], env: dict[str, object]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
@@ -250,7 +214,7 @@ def write(out: Path, rows: list[Row], env: dict[str, object]) -> None:
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
     (out / "results.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1))
-    (out / "table.txt").write_text(table(rows) + "\n")
+    (out / "table.txt").write_text((table(rows) if env.get("timed", True) else check_table(rows)) + "\n")
 
 
 def progress(i: int, total: int, text: str) -> None:

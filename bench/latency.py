@@ -1,22 +1,23 @@
-"""``python -m bench.latency``: per-call latency at decode shapes, timed in interleaved rounds.
+"""python -m bench latency: per-call latency at decode shapes, timed in interleaved rounds.
 
-The H200 machines' hosts drift by up to 2× within a run, so latencies measured one backend after another (the
-main bench's ``--latency``) rank nothing finer than that. Here every backend of one op and shape is timed in each
-round, in a fresh random order, as a loop of calls back to back between two syncs (what a caller waits for:
-host work or GPU time, whichever is longer); ratios are taken within a round, then the median over rounds, so a
-slow stretch of the host moves numerator and denominator together. Kernel backends run inside one
-``use_backend`` scope per loop (as under ``HKERNELS_BACKEND``), not one per call.
+A shared host's speed drifts within a run, so latencies measured one backend after another (python -m bench
+--latency) rank nothing finer than that drift. Here every backend of one op and shape is timed in each round, in
+a fresh random order, as a loop of calls back to back between two syncs (what a caller waits for: host work or
+GPU time, whichever is longer); ratios are taken within a round, then the median over rounds, so a slow stretch of
+the host moves numerator and denominator together. Kernel backends run inside one use_backend scope per loop (as
+under HKERNELS_BACKEND), not one per call.
 
-Reported per op and shape: the median µs per call of each backend, and the paired ratios — each backend against
-eager, torch.compile and Liger, and ``auto`` against the faster of helion and triton. ``--mode fwd_bwd`` times
-forward and backward calls back to back (``torch.autograd.grad`` per call) instead of forward calls under no_grad.
-``latency.md`` beside ``latency.json`` is the table.
+Reported per op and shape: the median µs per call of each backend, and the paired ratios: each backend against
+eager, torch.compile and Liger, and auto against the faster of helion and triton. --mode fwd_bwd times forward
+and backward calls back to back (torch.autograd.grad per call) instead of forward calls under no_grad. latency.md
+beside latency.json is the table.
 
-``--gpu-time`` (a GPU only) times the kernels instead of the calls, for any shape: each backend's step
-(``--mode fwd`` or ``fwd_bwd``) captured once as a CUDA graph, then in each round every graph replayed under
-do_bench (L2 flushed between replays), in a fresh random order; the same paired ratios. This is the check of
-"auto within 3% of the faster backend", which sequential graph-timed rows (6-9% apart for the same kernel in one
-run) could not settle.
+--gpu-time (a GPU only) times the kernels instead of the calls, for any shape: each backend's step (--mode fwd or
+fwd_bwd) captured once as a CUDA graph, then in each round every graph replayed under do_bench (L2 flushed
+between replays), in a fresh random order; the same paired ratios. Graph-timed rows measured one after another
+drift apart as the host does; interleaved rounds settle whether auto is within 3% of the faster backend.
+
+On a CPU (HKERNELS_INTERPRET=1, --quick) the command runs as a check of itself: interpreted times measure nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ from typing import Any
 
 import torch
 
-from bench.ops import OPS, PRESETS, callable_for, make_inputs, preset_shapes, quick_shapes
+from bench import cli
+from bench.ops import OPS, PRESETS, callable_for, preset_shapes, quick_shapes
+from hkernels import _interpret
+from hkernels.tune.cases import make_inputs
+from hkernels.tune.timing import capture_graph, time_quantiles
 
 BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "liger")
+_INTERPRETED = ("interpret mode on a CPU: the kernels run in Triton's interpreter, so these times measure nothing "
+                "(a check that the command runs)")
 KERNEL_BACKENDS = ("auto", "helion", "triton")
 
 
@@ -98,8 +105,6 @@ def measure_graphs(steps: dict[str, Callable[[], object]], device: torch.device,
                    seed: int = 0) -> dict[str, list[float]]:
     """GPU µs of each step per round: each captured once as a CUDA graph, replayed under do_bench per round in a
     random order."""
-    from bench.harness import capture_graph, time_quantiles
-
     graphs = {b: capture_graph(fn, device) for b, fn in steps.items()}
     rng = random.Random(seed)
     times: dict[str, list[float]] = {b: [] for b in graphs}
@@ -148,6 +153,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"# Per-call latency from Python ({env.get('mode', 'fwd')}, {env.get('dtype')})", "",
              f"{env.get('device')} · torch {env.get('torch')} · commit {env.get('commit') or '?'} · "
              f"{env.get('rounds')} interleaved rounds of {env.get('calls')} calls back to back · {env.get('timing')}",
+             *(["", f"**{_INTERPRETED[0].upper()}{_INTERPRETED[1:]}.**"] if env.get("device") == "cpu" else []),
              "", "| op | shape | " + " | ".join(f"{b} µs" for b in backends)
              + " | auto / eager | auto / compile | auto / Liger |",
              "|---|---|" + "---|" * (len(backends) + 3)]
@@ -166,7 +172,8 @@ def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device
     out.mkdir(parents=True, exist_ok=True)
     on_gpu = device.type == "cuda"
     env = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-           "rounds": args.rounds, "calls": args.calls, "commit": os.environ.get("HKERNELS_COMMIT"),
+           "rounds": args.rounds if on_gpu else 2, "calls": args.calls if on_gpu else 2,
+           "commit": os.environ.get("HKERNELS_COMMIT"),
            "mode": args.mode, "dtype": args.dtype,
            "timing": "GPU time of graph replays" if args.gpu_time else "host loop, then one sync"}
     tmp = out / "latency.json.tmp"  # then renamed: a run killed mid-write keeps the last whole file
@@ -176,37 +183,41 @@ def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: every op)")
-    p.add_argument("--shapes", default="decode", help="presets (decode, ...) and/or MxN, comma-separated")
-    p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--calls", type=int, default=200, help="calls per loop")
+    p = cli.parser("latency", __doc__)
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    p.add_argument("--shapes", default="decode", help="comma-separated presets (decode, ...) and/or MxN sizes")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="the inputs' dtype")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (2 on a CPU)")
+    p.add_argument("--calls", type=int, default=200, help="calls per loop (2 on a CPU)")
     p.add_argument("--quick", action="store_true", help="two small shapes per op (the only mode on a CPU)")
     p.add_argument("--gpu-time", action="store_true",
                    help="GPU time of CUDA-graph replays instead of per-call latency (any shape; a GPU only)")
     p.add_argument("--mode", default="fwd", choices=("fwd", "fwd_bwd"),
                    help="what a call runs: a forward (under no_grad), or a forward and its backward")
-    p.add_argument("--out", type=Path, default=None, help="where to write latency.json")
+    p.add_argument("--out", type=Path, default=None, help="where to write latency.json and latency.md (default: "
+                                                          "nowhere, the table goes to stdout only)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not (args.quick and os.environ.get("HKERNELS_INTERPRET") == "1"):
-        print("bench.latency: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --quick)", file=sys.stderr)
+    if not on_gpu and not (args.quick and _interpret.enabled()):
+        print("python -m bench latency: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --quick, a check of "
+              "the command)", file=sys.stderr)
         return 2
     if args.gpu_time and not on_gpu:
-        print("bench.latency: --gpu-time needs a CUDA GPU (it replays CUDA graphs)", file=sys.stderr)
+        print("python -m bench latency: --gpu-time needs a CUDA GPU (it replays CUDA graphs)", file=sys.stderr)
         return 2
+    if not on_gpu:
+        print(_INTERPRETED, file=sys.stderr)
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, args.dtype)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown:
-        print(f"bench.latency: unknown op(s) {unknown}; valid: {', '.join(OPS)}", file=sys.stderr)
+        print(f"python -m bench latency: unknown op(s) {unknown}; valid: {', '.join(OPS)}", file=sys.stderr)
         return 2
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     results: list[dict[str, Any]] = []

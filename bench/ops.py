@@ -1,12 +1,7 @@
-"""What the benchmark runs: per op, how to make inputs, the bytes (or flops) each mode must move, one callable per
-backend, and the shapes of each preset.
-
-Every op is benchmarked at a shape (M, N, K). For the memory-bound ops K is 0 and M is tokens, N the model
-dimension the op works over (hidden size, MLP intermediate size or vocabulary; for rope, the hidden size, as heads
-of 128; for fused_linear_cross_entropy, the hidden size, with Llama-3's vocabulary of 128256). For matmul, a [M, K]
-activation times a [N, K] weight, transposed (``x @ weight.t()``, as nn.Linear computes it). For attention, M is
-the sequence length S, N the width Hq·D of the queries (heads of D = 128; as many key/value heads as query heads,
-the layout of SDPA's measured peers) and K the batch B.
+"""What the benchmark runs per op, beyond its inputs and its call (``hkernels.tune.cases``, shared with the
+tune command): plain PyTorch and peers to measure against, the float64 reference, the bytes (or flops) each mode
+must move, one callable per backend, and the shapes of each preset. What M, N and K mean per op:
+``hkernels.tune.cases``.
 """
 
 from __future__ import annotations
@@ -21,24 +16,21 @@ import torch.nn.functional as F
 
 import hkernels
 from hkernels import references
+from hkernels.tune import cases
+from hkernels.tune.cases import FLCE_VOCAB, HEAD_DIM, KV_HEADS, Make, Shape
 
 Tensor = torch.Tensor
 
 MODES = ("fwd", "bwd", "fwd_bwd")
-HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 attention: 128-wide heads, 8 key/value heads (GQA)
-FLCE_VOCAB = 128256
-
-Make = Callable[[int, int, int, torch.dtype, torch.device, torch.Generator], list[Tensor]]
-Shape = tuple[int, int, int]  # (M, N, K): K is 0 for ops that have no third size
 
 
 @dataclass(frozen=True)
 class OpBench:
     name: str
-    make: Make  # inputs at shape (M, N); floating ones in the dtype under test
-    diff: tuple[int, ...]  # which inputs get gradients
+    make: Make  # inputs at shape (M, N, K); floating ones in the dtype under test (from hkernels.tune.cases)
+    diff: tuple[int, ...]  # which inputs get gradients (from hkernels.tune.cases)
+    kernel: Callable[..., object]  # hkernels' public op (from hkernels.tune.cases)
     eager: Callable[..., object]  # plain PyTorch, as a user would write it (also what torch.compile compiles)
-    kernel: Callable[..., object]  # hkernels' public op
     ref: Callable[..., object]  # reference (run on float64 inputs)
     dim: str  # what N is: "hidden", "inter" or "vocab"
     passes: tuple[int, int] | None = None  # [M, N]-sized tensors the forward and the backward must move
@@ -86,52 +78,6 @@ def _liger() -> dict[str, Callable[..., object]]:
 LIGER = _liger()
 
 
-def _rows(*params: int) -> Make:
-    """x [M, N] and ``params`` more [N]-shaped parameters (weights ~1, biases ~0)."""
-
-    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-        x = torch.randn((m, n), generator=g, device=device, dtype=dtype)
-        return [x] + [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1 - p for p in params]
-
-    return make
-
-
-def _gated(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    return [torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2)]
-
-
-def _add_norm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    x, r = (torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2))
-    return [x, r, torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1]
-
-
-def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    # one sequence of M tokens; q and k laid out as HF makes them: [B, S, H, D] projections viewed as [B, H, S, D]
-    heads = n // HEAD_DIM
-    q = torch.randn((1, m, heads, HEAD_DIM), generator=g, device=device, dtype=dtype).transpose(1, 2)
-    k = torch.randn((1, m, KV_HEADS, HEAD_DIM), generator=g, device=device, dtype=dtype).transpose(1, 2)
-    inv = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
-    angles = torch.outer(torch.arange(m, device=device, dtype=torch.float32), inv)
-    angles = torch.cat([angles, angles], dim=-1)[None]  # [1, S, D], HF's layout
-    return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
-
-
-def _targets(m: int, v: int, device: torch.device, g: torch.Generator) -> Tensor:
-    target = torch.randint(0, v, (m,), generator=g, device=device)
-    return torch.where(torch.rand(m, generator=g, device=device) < 0.1, -100, target)  # some padding
-
-
-def _logits(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    return [torch.randn((m, n), generator=g, device=device, dtype=dtype) * 2, _targets(m, n, device, g)]
-
-
-def _linear_ce(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    vocab = FLCE_VOCAB if device.type == "cuda" else 512  # interpreted on CPU: the smoke pass only
-    hidden = torch.randn((m, n), generator=g, device=device, dtype=dtype)
-    weight = torch.randn((vocab, n), generator=g, device=device, dtype=dtype) * n**-0.5
-    return [hidden, weight, _targets(m, vocab, device, g)]
-
-
 def _rope_bytes(mode: str, m: int, n: int, itemsize: int) -> int:
     qk = m * (n + KV_HEADS * HEAD_DIM) * itemsize  # q and k, all heads
     tables = 2 * m * HEAD_DIM * itemsize
@@ -161,21 +107,6 @@ def _eager_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
 def _eager_add_norm(x: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     s = x + r
     return F.rms_norm(s, (s.shape[-1],), w, 1e-6), s
-
-
-def _matmul(bias: bool) -> Make:
-    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-        a = torch.randn((m, k), generator=g, device=device, dtype=dtype)
-        weight = torch.randn((n, k), generator=g, device=device, dtype=dtype) * k**-0.5
-        b = [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.1] if bias else []
-        return [a, weight.t(), *b]  # b read in place as the transposed view of an nn.Linear weight
-
-    return make
-
-
-def _attention(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    shape = (k, n // HEAD_DIM, m, HEAD_DIM)  # [B, H, S, D]
-    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
 
 
 def _matmul_flops(mode: str, m: int, n: int, k: int) -> float:
@@ -243,98 +174,91 @@ def _attention_shapes(preset: str) -> list[Shape]:
     return [(s, width, 1 if preset == "decode" else max(1, 16384 // s)) for s in seqs.get(preset, ())]
 
 
+def _bench(name: str, **fields: Any) -> OpBench:
+    """``name``'s benchmark: its inputs, gradients and call from ``hkernels.tune.cases``, and ``fields``."""
+    op = cases.OPS[name]
+    return OpBench(name, op.make, op.diff, op.call, **fields)
+
+
 OPS: dict[str, OpBench] = {
-    "rms_norm": OpBench(
-        "rms_norm", _rows(0), (0, 1),
+    "rms_norm": _bench(
+        "rms_norm",
         eager=lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
-        kernel=lambda x, w: hkernels.rms_norm(x, w, 1e-6),
         ref=lambda x, w: references.rms_norm(x, w, 1e-6),
         dim="hidden", passes=(2, 3), params=1,  # read x, write y; read dy and x, write dx
     ),
-    "layer_norm": OpBench(
-        "layer_norm", _rows(0, 1), (0, 1, 2),
+    "layer_norm": _bench(
+        "layer_norm",
         eager=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
-        kernel=lambda x, w, b: hkernels.layer_norm(x, w, b, 1e-5),
         ref=lambda x, w, b: references.layer_norm(x, w, b, 1e-5),
         dim="hidden", passes=(2, 3), params=2,
     ),
-    "softmax": OpBench(
-        "softmax", _rows(), (0,),
+    "softmax": _bench(
+        "softmax",
         eager=lambda x: torch.softmax(x, -1),
-        kernel=lambda x: hkernels.softmax(x, -1),
         ref=lambda x: references.softmax(x, -1),
         dim="hidden", passes=(2, 3),  # read x, write y; read dy and y, write dx
         extra=((1024, 128256), (4096, 128256)),
     ),
-    "add_rms_norm": OpBench(
-        "add_rms_norm", _add_norm, (0, 1, 2),
+    "add_rms_norm": _bench(
+        "add_rms_norm",
         eager=_eager_add_norm,
-        kernel=lambda x, r, w: hkernels.add_rms_norm(x, r, w, 1e-6),
         ref=lambda x, r, w: references.add_rms_norm(x, r, w, 1e-6),
         dim="hidden", passes=(4, 4), params=1,  # read x, r, write y, s; read dy, ds, s, write the one shared gradient
     ),
-    "swiglu": OpBench(
-        "swiglu", _gated, (0, 1),
+    "swiglu": _bench(
+        "swiglu",
         eager=lambda g, u: F.silu(g) * u,
-        kernel=hkernels.swiglu,
         ref=references.swiglu,
         dim="inter", passes=(3, 5),  # read gate, up, write y; read dy, gate, up, write dgate, dup
     ),
-    "geglu": OpBench(
-        "geglu", _gated, (0, 1),
+    "geglu": _bench(
+        "geglu",
         eager=lambda g, u: F.gelu(g, approximate="tanh") * u,
-        kernel=lambda g, u: hkernels.geglu(g, u, "tanh"),
         ref=lambda g, u: references.geglu(g, u, "tanh"),
         dim="inter", passes=(3, 5),
     ),
-    "rope": OpBench(
-        "rope", _rope, (0, 1),
+    "rope": _bench(
+        "rope",
         eager=_eager_rope,
-        kernel=hkernels.rope,
         ref=references.rope,
         dim="hidden", bytes_fn=_rope_bytes,
     ),
-    "cross_entropy": OpBench(
-        "cross_entropy", _logits, (0,),
+    "cross_entropy": _bench(
+        "cross_entropy",
         eager=lambda x, t: F.cross_entropy(x, t),
-        kernel=lambda x, t: hkernels.cross_entropy(x, t),
         ref=lambda x, t: references.cross_entropy(x, t),
         dim="vocab", bytes_fn=_ce_bytes,
         tokens=(256, 4096, 8192), extra=((4096, 262144), (8192, 262144)),
     ),
-    "fused_linear_cross_entropy": OpBench(
-        "fused_linear_cross_entropy", _linear_ce, (0, 1),
+    "fused_linear_cross_entropy": _bench(
+        "fused_linear_cross_entropy",
         eager=lambda h, w, t: F.cross_entropy(F.linear(h, w), t),
-        kernel=lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t),
         ref=lambda h, w, t: references.fused_linear_cross_entropy(h, w, t),
         dim="hidden", flops_fn=_flce_flops, tokens=(1024, 4096, 8192),
     ),
-    "matmul": OpBench(
-        "matmul", _matmul(False), (0, 1),
+    "matmul": _bench(
+        "matmul",
         eager=torch.matmul,  # cuBLAS
-        kernel=hkernels.matmul,
         ref=references.matmul,
         dim="hidden", flops_fn=_matmul_flops, compile=False, shapes=_matmul_shapes(False),
     ),
-    "matmul_gelu": OpBench(  # bias + tanh-gelu in the epilogue; the peer is cuBLAS (bias in its epilogue) + gelu
-        "matmul_gelu", _matmul(True), (0, 1, 2),
+    "matmul_gelu": _bench(  # bias + tanh-gelu in the epilogue; the peer is cuBLAS (bias in its epilogue) + gelu
+        "matmul_gelu",
         eager=lambda a, b, bias: F.gelu(torch.addmm(bias, a, b), approximate="tanh"),
-        kernel=lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh"),
         ref=lambda a, b, bias: references.matmul(a, b, bias, "gelu_tanh"),
         dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
     ),
-    "attention": OpBench(
-        "attention", _attention, (0, 1, 2),
+    "attention": _bench(
+        "attention",
         eager=F.scaled_dot_product_attention,  # whichever backend SDPA picks
-        kernel=hkernels.attention,
         ref=references.attention,
         dim="hidden", flops_fn=_attention_flops(False), compile=False, shapes=_attention_shapes, ref_view=_head0,
         peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", False), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", False)},
     ),
-    "attention_causal": OpBench(
-        "attention_causal", _attention, (0, 1, 2),
+    "attention_causal": _bench(
+        "attention_causal",
         eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        kernel=lambda q, k, v: hkernels.attention(q, k, v, causal=True),
         ref=lambda q, k, v: references.attention(q, k, v, causal=True),
         dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes, ref_view=_head0,
         peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", True), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", True)},
@@ -415,10 +339,3 @@ def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callabl
             compiled[op.name] = torch.compile(op.eager, dynamic=False)
         return compiled[op.name]
     return op.peers.get(backend)
-
-
-def make_inputs(
-    op: OpBench, shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> list[Tensor]:
-    m, n, k = shape
-    return op.make(m, n, k, dtype, device, torch.Generator(device=device).manual_seed(seed))

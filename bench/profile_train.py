@@ -1,31 +1,32 @@
-"""``python -m bench.profile_train``: where a training step spends its time, eager against hkernels.
+"""python -m bench profile-train: where a training step spends its time, eager against hkernels.
 
-For each variant (``bench.model``'s Llama-style decoder, plain and after ``hkernels.patch``): the step time (steps
-back to back, then one sync) and, from ``torch.profiler`` over two more steps, the GPU kernel time per step and the
-ops that cost the most host time and the most GPU time. A step slower than its GPU kernel time waits on the host.
-Writes ``profile_<variant>.txt`` per variant to ``--out``.
+For each variant (bench.model's Llama-style decoder, plain and after hkernels.patch): the step time (steps back to
+back, then one sync) and, from torch.profiler over two more steps, the GPU kernel time per step and the ops that
+cost the most host time and the most GPU time. A step slower than its GPU kernel time waits on the host. Writes
+profile_<variant>.txt per variant to --out. A GPU only.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench import cli
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="1b", help="a bench.model config: 1b or tiny (default 1b)")
-    p.add_argument("--batch", type=int, default=1, help="rows per step (default 1)")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per row (default 1024)")
-    p.add_argument("--variants", default="eager,hkernels", help="eager and/or hkernels (default both)")
-    p.add_argument("--out", type=Path, default=Path("."), help="where the tables go (default: here)")
+    p = cli.parser("profile-train", __doc__)
+    p.add_argument("--model", default="1b", help="a bench.model config: 1b or tiny")
+    p.add_argument("--batch", type=int, default=1, help="rows per step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per row")
+    p.add_argument("--variants", default="eager,hkernels", help="comma-separated, from eager, hkernels")
+    p.add_argument("--out", type=Path, default=Path("."), help="where the tables go")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
-        print("bench.profile_train needs a CUDA GPU", file=sys.stderr)
+        print("python -m bench profile-train needs a CUDA GPU", file=sys.stderr)
         return 2
     import hkernels
     from bench import model as bench_model

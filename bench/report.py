@@ -1,4 +1,5 @@
-"""The benchmark's report: a markdown summary (geomean speedups, best backend, failures) and a PNG per op."""
+"""The benchmark's report: a markdown summary (geomean speedups, best backend, failures) and a PNG per op; for a
+run without timings (interpreted on a CPU), the checks only."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bench.harness import Row, shape_of
+from bench.harness import INTERPRETED, Row, check_summary, shape_of, tolerance, within_tolerance
 
 LARGE_BYTES = 64 * 2**20  # rows that move at least this much are judged against the copy bandwidth
 
@@ -144,8 +145,45 @@ def plot(out: Path, rows: list[Row], copy_gbps: float) -> list[str]:
     return written
 
 
+def _write_checks(out: Path, rows: list[Row], env: dict[str, object]) -> Path:
+    """report.md of a run without timings: what it checked, row by row; no times, rates, speedups or plots."""
+    lines = [
+        "# hkernels benchmark: a check of every op, no timings",
+        "",
+        f"**{INTERPRETED}**",
+        "",
+        f"**{check_summary(rows)}**",
+        "",
+        f"{env.get('device')} · torch {env.get('torch')} · triton {env.get('triton')} · helion {env.get('helion')} · "
+        f"commit {env.get('commit') or '?'} · {env.get('date')}",
+        "",
+        f"`{env.get('command')}` · dtype {env.get('dtype')}",
+        "",
+        "Each row ran twice (the first call of its signature, then a second that reuses what the first built); its "
+        "largest error over both, the outputs and (fwd_bwd) every gradient, is relative to the largest value of the "
+        "float64 reference. bwd rows (fwd_bwd minus fwd, a difference of times) are left out: the backward is "
+        "checked in fwd_bwd.",
+        "",
+        "| op | shape | mode | backend | max error | tolerance | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error:
+            result, err = f"failed: {r.error[:160]}", "-"
+        else:
+            result, err = ("ok" if within_tolerance(r) else "**beyond tolerance**"), _f(r.max_err, ".1e")
+        lines.append(f"| {r.op} | {shape_of(r)} | {r.mode} | {r.backend} | {err} | {tolerance(r.dtype):.0e} | "
+                     f"{result} |")
+    lines += ["", "Every row: [table.txt](table.txt), [results.csv](results.csv), [results.json](results.json).", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True) -> Path:
     """report.md (and the PNGs) in ``out``."""
+    if not env.get("timed", True):
+        return _write_checks(out, rows, env)
     copy = float(env.get("copy_gbps", 0) or 0)
     pngs: list[str] = []
     plot_note = ""
@@ -207,6 +245,11 @@ def write(out: Path, rows: list[Row], env: dict[str, object], plots: bool = True
     if failed:
         lines += ["", "## Rows that did not run", ""]
         lines += [f"- {r.op} {shape_of(r)} {r.mode} {r.backend}: {r.error[:160]}" for r in failed]
+    beyond = [r for r in rows if not r.error and not within_tolerance(r)]
+    if beyond:
+        lines += ["", "## Rows beyond the error tolerance (max |error| / max |float64 reference|)", ""]
+        lines += [f"- {r.op} {shape_of(r)} {r.mode} {r.backend}: {r.max_err:.1e} > {tolerance(r.dtype):.0e}"
+                  for r in beyond]
     lines += ["", "## Plots", ""]
     lines += [f"![{p}]({p})" for p in pngs] or [plot_note or "(none)"]
     lines += ["", "Every row: [table.txt](table.txt), [results.csv](results.csv), [results.json](results.json).", ""]

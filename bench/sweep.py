@@ -1,16 +1,16 @@
-"""``python -m bench.sweep``: time candidate launch settings of each kernel on this GPU; print and save the best.
+"""python -m bench sweep: time candidate launch settings of the norm and softmax kernels on this GPU; print and save
+the best.
 
-What the shipped Helion configs (``hkernels/configs/<arch>/<op>.json``) and the Triton launch heuristic
-(``triton_fallback/_common.py``) were chosen from. It times the backend functions themselves (no dispatcher),
-bf16, on Llama-3 shapes, with one candidate forced at a time; it does not edit the tables.
+The tool that the shipped Helion configs (hkernels/configs/<arch>/<op>.json) and the Triton launch heuristic
+(triton_fallback/_common.py) are chosen with. It times the backend functions themselves (no dispatcher), bf16, on
+Llama-3 shapes, with one candidate forced at a time; it does not edit the tables. With HKERNELS_INTERPRET=1 on a
+CPU it is a dry run of the command: interpreted times measure nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench import harness
+from bench import cli, harness
 
 Candidate = dict[str, Any]
 
@@ -63,7 +63,7 @@ def _apply_triton(candidate: Candidate) -> Callable[[], None]:
     mods = (tl_rms, tl_ln, tl_sm)
     saved = [(m, m.row_settings, getattr(m, "persistent_programs", None)) for m in mods]
 
-    def settings(n: int, m: int, backward: bool = False) -> common.RowSettings:
+    def settings(n: int, m: int, backward: bool = False, **where: Any) -> common.RowSettings:  # (op, device)
         if "chunk" in candidate:
             return common.RowSettings(False, 1, candidate["chunk"], candidate["warps"])
         return common.RowSettings(
@@ -134,18 +134,21 @@ def _apply_helion(candidate: Candidate) -> Callable[[], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="16384x4096,16384x8192,4096x128256")
-    p.add_argument("--backends", default="helion,triton")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new candidates after this long")
-    p.add_argument("--only", default="", help="time only families whose name contains this (e.g. _bwd)")
-    p.add_argument("--out", type=Path, default=Path("sweep.json"))
+    p = cli.parser("sweep", __doc__)
+    p.add_argument("--shapes", default="16384x4096,16384x8192,4096x128256", help="comma-separated MxN")
+    p.add_argument("--backends", default="helion,triton", help="comma-separated, from helion, triton")
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new candidates after this many seconds")
+    p.add_argument("--only", default="", help="time only families whose name contains this (e.g. _bwd; default: all)")
+    p.add_argument("--out", type=Path, default=Path("sweep.json"), help="the JSON file of every timing")
     args = p.parse_args(argv)
-    interpret = os.environ.get("HKERNELS_INTERPRET", "") == "1"  # a dry run of this script on CPU
-    if not torch.cuda.is_available() and not interpret:
-        print("python -m bench.sweep times kernels on a CUDA GPU and found none", file=sys.stderr)
+    from hkernels import _interpret  # (interpret mode is set up on import)
+
+    if not torch.cuda.is_available() and not _interpret.enabled():
+        print("python -m bench sweep times kernels on a CUDA GPU and found none (HKERNELS_INTERPRET=1: a dry run on "
+              "a CPU)", file=sys.stderr)
         return 2
-    import hkernels  # noqa: F401  (interpret mode is set up on import)
+    if not torch.cuda.is_available():
+        print("interpret mode on a CPU: a dry run of the command; these times measure nothing", file=sys.stderr)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     copy = harness.copy_gbps(device)

@@ -1,15 +1,14 @@
-"""``python -m bench.sweep_llm``: time candidate launch settings of the LLM-op kernels on this GPU.
+"""python -m bench sweep-llm: time candidate launch settings of the LLM-op kernels on this GPU.
 
-What the shipped configs of cross_entropy (Helion table, Triton ``_settings``), the chunk length of
-fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings were chosen from.
-bf16, Llama-3 shapes; times the backend functions themselves (no dispatcher) with one candidate forced at a time;
-prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s as "pct_copy"'s
-neighbour "tflops".
+The tool that the shipped settings of cross_entropy (Helion table, Triton _settings), the chunk length of
+fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings are chosen with.
+bf16, Llama-3 shapes; it times the backend functions themselves (no dispatcher) with one candidate forced at a
+time, prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s
+("tflops") in place of the memory-bound families' % of copy ("pct_copy").
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -20,7 +19,8 @@ from typing import Any
 
 import torch
 
-from bench import harness
+from bench import cli, harness
+from hkernels.tune.timing import time_ms
 
 Candidate = dict[str, Any]
 Family = tuple[str, Callable[[], object], int, list[Candidate], Callable[[Candidate], Callable[[], None]]]
@@ -241,7 +241,7 @@ def _linear_ce_chunks(t: int, h: int, v: int, device: torch.device) -> list[dict
             chunk, fn = fn
             _chunked.MIN_CHUNK = chunk
         try:
-            ms = harness.time_ms(fn, device)
+            ms = time_ms(fn, device)
             peak = harness.peak_mib(fn, device)
             out.append({"run": name, "ms": ms, "peak_mib": peak})
             print(f"linear_ce {t}x{h}x{v} {name:<22} {ms:8.2f} ms  extra peak {peak:8.0f} MiB", flush=True)
@@ -254,14 +254,15 @@ def _linear_ce_chunks(t: int, h: int, v: int, device: torch.device) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sweep_llm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new candidates after this long")
-    p.add_argument("--family-s", type=float, default=60.0, help="and after this long within one family")
-    p.add_argument("--only", default="", help="families whose name contains this (e.g. 'triton', 'linear')")
-    p.add_argument("--out", type=Path, default=Path("sweep_llm.json"))
+    p = cli.parser("sweep-llm", __doc__)
+    p.add_argument("--budget-s", type=float, default=600.0, help="stop starting new candidates after this many seconds")
+    p.add_argument("--family-s", type=float, default=60.0, help="and after this many seconds within one family")
+    p.add_argument("--only", default="",
+                   help="time only families whose name contains this (e.g. 'triton', 'linear'; default: all)")
+    p.add_argument("--out", type=Path, default=Path("sweep_llm.json"), help="the JSON file of every timing")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("python -m bench.sweep_llm times kernels on a CUDA GPU and found none", file=sys.stderr)
+        print("python -m bench sweep-llm times kernels on a CUDA GPU and found none", file=sys.stderr)
         return 2
     import hkernels  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""``python -m bench train``: whole training steps of a Llama-style decoder (``bench.model``), per variant:
+"""python -m bench train: whole training steps of a Llama-style decoder (bench.model), per variant:
 
 - ``eager``: plain PyTorch (``torch.nn.RMSNorm``, SDPA, ``F.cross_entropy`` over the full logits);
 - ``hkernels`` / ``hkernels-helion`` / ``hkernels-triton``: the same model after ``hkernels.patch`` (norms, SwiGLU,
@@ -20,8 +20,9 @@ in DistributedDataParallel or FSDP2 (``fully_shard`` per decoder layer, after pa
 process out of one global batch; with ``--converge N`` the distributed curve is compared with one process training
 on the same global batches.
 
-On a CPU this runs only with ``HKERNELS_INTERPRET=1`` and the tiny model (a smoke test of the harness; ``--dist``
-uses gloo there).
+On a CPU this runs only with ``HKERNELS_INTERPRET=1`` and the tiny model, which are then the defaults with a
+small batch (a check of the harness: interpreted kernels make its tokens/s meaningless; ``--dist`` uses gloo
+there).
 """
 
 from __future__ import annotations
@@ -39,8 +40,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# As under python -m bench run: segments that grow in place do not fragment. Before torch is imported.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch
 from torch import nn
+
+from bench import cli
 
 VARIANTS = ("eager", "hkernels", "hkernels-helion", "hkernels-triton", "torch_compile", "hkernels+compile", "liger")
 # Loss curves "match" when the 10-step moving averages differ by at most this fraction of eager's (plus a floor):
@@ -48,26 +54,41 @@ VARIANTS = ("eager", "hkernels", "hkernels-helion", "hkernels-triton", "torch_co
 CURVE_RTOL, CURVE_ATOL, SMOOTH = 0.02, 0.02, 10
 
 
+# The defaults that depend on the machine: (GPU, CPU). On a CPU the kernels run interpreted: a tiny model only.
+_MACHINE_DEFAULTS = {"model": ("1b", "tiny"), "seq": (2048, 32), "batch": (4, 2)}
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="1b", help="a bench.model config: 1b or tiny")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    p = cli.parser("train", __doc__)
+    p.add_argument("--model", default=None,
+                   help="a bench.model config: 1b or tiny (default: 1b on a GPU, tiny on a CPU)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 2048 on a GPU, 32 on a CPU)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="rows per step, per process under --dist (default: 4 on a GPU, 2 on a CPU)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, caches)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--converge", type=int, default=0, help="also compare eager's and hkernels' loss over N steps")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="the model's parameters and activations")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate")
+    p.add_argument("--converge", type=int, default=0,
+                   help="also compare eager's and hkernels' loss curves over this many steps (0: no comparison)")
     p.add_argument("--converge-variant", default="hkernels", help="the hkernels variant whose curve is compared")
     p.add_argument("--patch-ops", default=None,
-                   help="what hkernels.patch replaces in the hkernels variants: its default set, 'all' (adds "
-                        "attention), or a comma-separated list")
+                   help="what hkernels.patch replaces in the hkernels variants: 'all' (adds attention) or a "
+                        "comma-separated list (default: hkernels.patch's default set)")
     p.add_argument("--dist", default="none", choices=("none", "ddp", "fsdp2"),
                    help="under torchrun: DistributedDataParallel or FSDP2 (fully_shard per decoder layer) over the "
                         "processes; --batch is per process")
-    p.add_argument("--out", type=Path, default=None, help="where to write results.json (and loss_curves.png)")
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write results.json (and loss_curves.png) (default: nowhere, the table goes to "
+                        "stdout only)")
+    args = p.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    for name, (gpu, cpu) in _MACHINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if on_gpu else cpu)
+    return args
 
 
 def markov_batches(vocab: int, batch: int, seq: int, seed: int, device: torch.device) -> Iterator[torch.Tensor]:
@@ -165,7 +186,7 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
         finally:
             undo()
     else:
-        raise ValueError(f"bench train: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+        raise ValueError(f"python -m bench train: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
 
 
 def _wrapper(mode: str, device: torch.device) -> Callable[[nn.Module], nn.Module]:
@@ -304,8 +325,8 @@ def _plot(curves: dict[str, list[float]], path: Path) -> bool:
 def _init_dist(mode: str, say: Callable[[str], None]) -> tuple[torch.device, int, int] | None:
     """Join the process group torchrun set up: (device, rank, world), or None (with the reason said)."""
     if "WORLD_SIZE" not in os.environ:
-        say(f"bench train: --dist {mode} runs under torchrun, e.g. NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 "
-            f"-m bench train --dist {mode} ...")
+        say(f"python -m bench train: --dist {mode} runs under torchrun, e.g. NCCL_NVLS_ENABLE=0 torchrun "
+            f"--nproc_per_node 2 -m bench train --dist {mode} ...")
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -319,13 +340,19 @@ def _init_dist(mode: str, say: Callable[[str], None]) -> tuple[torch.device, int
     return device, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def main(argv: list[str]) -> int:
-    args = _parse(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    from hkernels import _interpret
+
     say = lambda s: print(s, file=sys.stderr, flush=True)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not (os.environ.get("HKERNELS_INTERPRET") == "1" and args.model == "tiny"):
-        say("bench train: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with --model tiny, a smoke test)")
+    if not on_gpu and not (_interpret.enabled() and args.model == "tiny"):
+        say("python -m bench train: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with the tiny model, a check of "
+            "the harness)")
         return 2
+    if not on_gpu:
+        say("interpret mode on a CPU: a check of the harness; the kernels run in Triton's interpreter, so tokens/s "
+            "and step times measure nothing")
     device, rank, world = torch.device("cuda" if on_gpu else "cpu"), 0, 1
     if args.dist != "none":
         joined = _init_dist(args.dist, say)
@@ -346,15 +373,15 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
-        say(f"bench train: unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
+        say(f"python -m bench train: unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
         return 2
     if args.converge and args.converge_variant not in VARIANTS[1:4]:
-        say(f"bench train: --converge-variant must be one of {', '.join(VARIANTS[1:4])}")
+        say(f"python -m bench train: --converge-variant must be one of {', '.join(VARIANTS[1:4])}")
         return 2
     from bench.ops import LIGER
 
     if "liger" in variants and not LIGER:
-        say("bench train: liger-kernel is not importable here; skipping the liger variant")
+        say("python -m bench train: liger-kernel is not importable here; skipping the liger variant")
         variants.remove("liger")
     where = f", {args.dist} over {world} processes" if args.dist != "none" else ""
     rows = []
@@ -424,5 +451,7 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
         print(f"\nloss curves over {converge['steps']} steps, {converge['reference']} vs {converge['candidate']}: "
               f"{verdict} (worst at step {converge['worst_step']}: {converge['reference_loss']:.4f} vs "
               f"{converge['candidate_loss']:.4f}; {converge['tolerance']})")
+    if not on_gpu:
+        print("\n(interpreted on a CPU: tokens/s and step times measure nothing; the losses are real)")
     failed = any(r.get("error") for r in rows) or (converge is not None and not converge["match"])
     return 1 if failed else 0

@@ -1,10 +1,19 @@
-"""The benchmark's derived backward rows (fwd_bwd - fwd): a difference lost in timing noise is no failure."""
+"""python -m bench: its command line, the derived backward rows (fwd_bwd - fwd: a difference lost in timing noise is
+no failure), the tolerance check, and the report of a run with and without timings."""
 
 from __future__ import annotations
 
-from bench.__main__ import _backward_rows
+import argparse
+import importlib
+
+import pytest
+
+from bench import harness, report
+from bench.__main__ import COMMANDS
+from bench.__main__ import main as bench_main
 from bench.harness import Row
 from bench.ops import OPS
+from bench.run import _backward_rows
 
 
 def _row(mode: str, ms: float | None, error: str = "") -> Row:
@@ -21,3 +30,69 @@ def test_backward_row_within_noise_is_not_a_failure():
     assert abs(rows[0].ms - 2.0) < 1e-12 and not rows[0].error
     rows = _backward_rows({"fwd": [_row("fwd", 1.0)], "fwd_bwd": [_row("fwd_bwd", None, "boom")]}, op, 1.0, 4)
     assert rows[0].error == "boom"  # a real failure still fails the run
+
+
+def test_bench_help_lists_every_command(capsys):
+    assert bench_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
+    assert bench_main(["no-such-command"]) == 2
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_option_of_every_command_states_its_default(command, capsys, monkeypatch):
+    """Each command's parser: help text on every option, ending with its default (or saying it is required)."""
+    parsers: list[argparse.ArgumentParser] = []
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        return real_parse(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(COMMANDS[command][0]).main(["--help"])
+    assert f"python -m bench {command}" in capsys.readouterr().out
+    (parser,) = parsers
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.dest}: no help"
+        if action.option_strings:
+            text = formatter._get_help_string(action)
+            assert "default" in text or "(required)" in text, f"{command} {action.option_strings}: {text}"
+
+
+def test_tolerance_check_fails_a_wrong_row():
+    ok, wrong = Row("softmax", 4, 64, "bfloat16", "fwd", "triton"), Row("softmax", 4, 64, "bfloat16", "fwd", "helion")
+    ok.max_err, wrong.max_err = 5e-3, 0.5
+    assert harness.within_tolerance(ok) and not harness.within_tolerance(wrong)
+    assert "1 of 2 rows" in harness.check_summary([ok, wrong])
+    assert "2 of 2 rows" in harness.check_summary([ok, ok]) and "within tolerance" in harness.check_summary([ok, ok])
+
+
+def test_report_without_timings_has_checks_and_no_claims(tmp_path):
+    rows = [Row("rms_norm", 4, 64, "bfloat16", "fwd", b, max_err=2e-3) for b in ("helion", "torch")]
+    env = {"device": "cpu (interpret mode)", "timed": False, "dtype": "bfloat16", "command": "python -m bench"}
+    harness.write(tmp_path, rows, env)
+    text = report.write(tmp_path, rows, env).read_text()
+    assert harness.INTERPRETED in text and "2 of 2 rows" in text and "matched the float64 reference" in text
+    assert "GB/s" not in text and "% of copy" not in text and "speedup" not in text.lower()
+    assert "GB/s" not in (tmp_path / "table.txt").read_text()
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_report_with_timings_plots_rates(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = []
+    for m in (256, 4096):
+        for backend, ms in (("triton", 0.01), ("torch", 0.02)):
+            row = Row("rms_norm", m, 4096, "bfloat16", "fwd", backend, ms=ms, timing="graph", max_err=2e-3)
+            row.gbps = 2 * m * 4096 * 2 / ms / 1e6
+            row.pct_copy = 100 * row.gbps / 4000
+            rows.append(row)
+    env = {"device": "a GPU", "copy_gbps": 4000.0, "dtype": "bfloat16", "command": "python -m bench"}
+    text = report.write(tmp_path, rows, env).read_text()
+    assert "% of copy" in text and "![rms_norm.png](rms_norm.png)" in text
+    assert (tmp_path / "rms_norm.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""bench.latency: paired ratios within rounds, and the command end to end (interpret mode on a CPU)."""
+"""python -m bench latency: paired ratios within rounds, and the command end to end (interpret mode on a CPU)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ def test_latency_command_quick(tmp_path, capsys):
 
 def test_gpu_time_needs_a_gpu_on_a_cpu():
     if torch.cuda.is_available():
-        return  # on a GPU the mode runs (the H200 run exercises it)
+        return  # on a GPU the mode runs
     assert latency.main(["--quick", "--gpu-time", "--ops", "rms_norm"]) == 2
 
 
 def test_steps_to_capture_run_forward_and_backward(device):
-    from bench.ops import OPS, make_inputs, quick_shapes
+    from bench.ops import OPS, quick_shapes
+    from hkernels.tune.cases import make_inputs
 
     op = OPS["rms_norm"]
     inputs = make_inputs(op, quick_shapes(op, device)[0], torch.float32, device)

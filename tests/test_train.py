@@ -1,4 +1,5 @@
-"""bench train's harness on the tiny model: it runs, writes its results, and its curve comparison can fail."""
+"""python -m bench train's harness on the tiny model: it runs, writes its results, its curve comparison can fail, and
+its defaults fit the machine."""
 
 from __future__ import annotations
 
@@ -65,3 +66,14 @@ def test_train_distributed_matches_one_process(mode, tmp_path):
     assert conv["match"] and conv["candidate"] == f"hkernels-triton ({mode} x2)"
     ref, got = conv["curves"][conv["reference"]], conv["curves"][conv["candidate"]]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-3  # float32: the same math, reordered
+
+
+def test_defaults_fit_the_machine():
+    """On a GPU the 1B model at batch 4 x 2048; on a CPU (interpreted kernels) the tiny model at a small batch, so
+    that python -m bench train with no arguments finishes there."""
+    args = train._parse([])
+    if torch.cuda.is_available():
+        assert (args.model, args.batch, args.seq) == ("1b", 4, 2048)
+    else:
+        assert args.model == "tiny" and args.batch * args.seq <= 256
+    assert train._parse(["--model", "1b", "--seq", "16"]).model == "1b"

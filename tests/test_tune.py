@@ -8,6 +8,7 @@ import torch
 
 import hkernels
 from hkernels import configs, tune
+from hkernels.tune import helion_configs, timing
 
 
 def test_tune_writes_tables_the_library_then_uses(tmp_path, monkeypatch, device, capsys):
@@ -157,8 +158,8 @@ def _run_fake_tune(tmp_path, monkeypatch, tuned_ms: float | None, renamed: bool 
     monkeypatch.setattr(_helion, "record", record)
     monkeypatch.setattr(_helion, "forget", lambda: None)
     monkeypatch.setattr(_helion, "_bucket", lambda *a: {"config": {"num_warps": 4}})
-    monkeypatch.setattr(tune, "_time_ms", lambda fn, device: fn())
-    lines = tune.tune_helion(Case(), "sm90", tmp_path, budget_s=30)
+    monkeypatch.setattr(timing, "gpu_time_ms", lambda fn, device: fn())
+    lines = helion_configs.tune_helion(Case(), "sm90", tmp_path, budget_s=30)
     assert kernel.seen["seed"] == [helion.Config(num_warps=4)] and kernel.seen["budget"] == 30  # seeded, bounded
     assert kernel.settings.autotune_seed_configs is None and kernel.settings.autotune_budget_seconds is None
     return lines
@@ -178,7 +179,7 @@ def test_tune_helion_writes_a_tuned_config_only_where_it_beats_the_shipped_one(t
 
 
 def test_tune_helion_reaches_a_renamed_kernel(tmp_path, monkeypatch):
-    """add_rms_norm's kernels are rms_norm's under other names (``_Renamed``); on the H200 the tune command failed
-    on them (no ``settings``)."""
+    """add_rms_norm's kernels are rms_norm's under other names (``_Renamed``): the tune command reaches their
+    ``settings`` through the wrapper."""
     (line,) = _run_fake_tune(tmp_path, monkeypatch, tuned_ms=0.8, renamed=True)
     assert "written" in line

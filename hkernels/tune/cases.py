@@ -1,0 +1,158 @@
+"""What the tune command and the benchmark run per op: how to make its inputs at a shape, which inputs get
+gradients, and the call of hkernels' public op (the benchmark, ``bench/ops.py``, adds its peers and byte counts).
+
+Every op is measured at a shape (M, N, K). For the memory-bound ops K is 0 and M is tokens, N the model dimension
+the op works over (hidden size, MLP intermediate size or vocabulary; for rope, the hidden size, as heads of 128; for
+fused_linear_cross_entropy, the hidden size, with Llama-3's vocabulary of 128256). For matmul, a [M, K] activation
+times a [N, K] weight, transposed (``x @ weight.t()``, as nn.Linear computes it). For attention, M is the sequence
+length S, N the width Hq·D of the queries (heads of D = 128; as many key/value heads as query heads) and K the
+batch B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+import hkernels
+
+Tensor = torch.Tensor
+
+HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 attention: 128-wide heads, 8 key/value heads (GQA)
+FLCE_VOCAB = 128256  # Llama-3's vocabulary: the linear loss's weight is [FLCE_VOCAB, N]
+
+Make = Callable[[int, int, int, torch.dtype, torch.device, torch.Generator], list[Tensor]]
+Shape = tuple[int, int, int]  # (M, N, K): K is 0 for ops that have no third size
+
+
+@dataclass(frozen=True)
+class OpInputs:
+    name: str
+    make: Make  # inputs at shape (M, N, K); floating ones in the dtype under test
+    diff: tuple[int, ...]  # which inputs get gradients
+    call: Callable[..., object]  # hkernels' public op on those inputs
+
+
+def _rows(*params: int) -> Make:
+    """x [M, N] and ``params`` more [N]-shaped parameters (weights ~1, biases ~0)."""
+
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        x = torch.randn((m, n), generator=g, device=device, dtype=dtype)
+        return [x] + [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1 - p for p in params]
+
+    return make
+
+
+def _gated(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    return [torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2)]
+
+
+def _add_norm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    x, r = (torch.randn((m, n), generator=g, device=device, dtype=dtype) for _ in range(2))
+    return [x, r, torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1]
+
+
+def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    # one sequence of M tokens; q and k laid out as HF makes them: [B, S, H, D] projections viewed as [B, H, S, D]
+    heads = n // HEAD_DIM
+    q = torch.randn((1, m, heads, HEAD_DIM), generator=g, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn((1, m, KV_HEADS, HEAD_DIM), generator=g, device=device, dtype=dtype).transpose(1, 2)
+    inv = 1.0 / 500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.outer(torch.arange(m, device=device, dtype=torch.float32), inv)
+    angles = torch.cat([angles, angles], dim=-1)[None]  # [1, S, D], HF's layout
+    return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
+
+
+def _targets(m: int, v: int, device: torch.device, g: torch.Generator) -> Tensor:
+    target = torch.randint(0, v, (m,), generator=g, device=device)
+    return torch.where(torch.rand(m, generator=g, device=device) < 0.1, -100, target)  # some padding
+
+
+def _logits(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    return [torch.randn((m, n), generator=g, device=device, dtype=dtype) * 2, _targets(m, n, device, g)]
+
+
+def _linear_ce(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    vocab = FLCE_VOCAB if device.type == "cuda" else 512  # interpreted on CPU: a check, not a measurement
+    hidden = torch.randn((m, n), generator=g, device=device, dtype=dtype)
+    weight = torch.randn((vocab, n), generator=g, device=device, dtype=dtype) * n**-0.5
+    return [hidden, weight, _targets(m, vocab, device, g)]
+
+
+def _matmul(bias: bool) -> Make:
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        a = torch.randn((m, k), generator=g, device=device, dtype=dtype)
+        weight = torch.randn((n, k), generator=g, device=device, dtype=dtype) * k**-0.5
+        b = [torch.randn(n, generator=g, device=device, dtype=dtype) * 0.1] if bias else []
+        return [a, weight.t(), *b]  # b read in place as the transposed view of an nn.Linear weight
+
+    return make
+
+
+def _attention(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    shape = (k, n // HEAD_DIM, m, HEAD_DIM)  # [B, H, S, D]
+    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
+
+
+OPS: dict[str, OpInputs] = {
+    op.name: op
+    for op in (
+        OpInputs("rms_norm", _rows(0), (0, 1), lambda x, w: hkernels.rms_norm(x, w, 1e-6)),
+        OpInputs("layer_norm", _rows(0, 1), (0, 1, 2), lambda x, w, b: hkernels.layer_norm(x, w, b, 1e-5)),
+        OpInputs("softmax", _rows(), (0,), lambda x: hkernels.softmax(x, -1)),
+        OpInputs("add_rms_norm", _add_norm, (0, 1, 2), lambda x, r, w: hkernels.add_rms_norm(x, r, w, 1e-6)),
+        OpInputs("swiglu", _gated, (0, 1), hkernels.swiglu),
+        OpInputs("geglu", _gated, (0, 1), lambda g, u: hkernels.geglu(g, u, "tanh")),
+        OpInputs("rope", _rope, (0, 1), hkernels.rope),
+        OpInputs("cross_entropy", _logits, (0,), lambda x, t: hkernels.cross_entropy(x, t)),
+        OpInputs("fused_linear_cross_entropy", _linear_ce, (0, 1),
+                 lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t)),
+        OpInputs("matmul", _matmul(False), (0, 1), hkernels.matmul),
+        # bias + tanh-gelu in the matmul's epilogue
+        OpInputs("matmul_gelu", _matmul(True), (0, 1, 2), lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh")),
+        OpInputs("attention", _attention, (0, 1, 2), hkernels.attention),
+        OpInputs("attention_causal", _attention, (0, 1, 2), lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+    )
+}
+
+
+class _HasMake(Protocol):
+    make: Make
+
+
+def make_inputs(op: _HasMake, shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[Tensor]:
+    """``op``'s inputs at ``shape`` (M, N, K), from a generator seeded with ``seed``."""
+    m, n, k = shape
+    return op.make(m, n, k, dtype, device, torch.Generator(device=device).manual_seed(seed))
+
+
+class Case:
+    """One op at one shape and dtype: its inputs and the calls that run it."""
+
+    def __init__(self, op: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> None:
+        if op not in OPS:
+            raise ValueError(f"hkernels.tune: unknown op {op!r}; ops are: {', '.join(sorted(OPS))}")
+        self.op, self.shape, self.spec = op, shape, OPS[op]
+        self.inputs = make_inputs(self.spec, shape, dtype, device)
+        self.name = f"{op} {'x'.join(str(s) for s in shape if s)} {str(dtype).removeprefix('torch.')}"
+
+    def forward(self) -> object:
+        with torch.no_grad():
+            return self.spec.call(*self.inputs)
+
+    def forward_backward(self) -> object:
+        leaves = [t.detach().requires_grad_(i in self.spec.diff) for i, t in enumerate(self.inputs)]
+        out = self.spec.call(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        total = sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+        if isinstance(total, torch.Tensor):
+            total.backward()
+        return out
+
+    def rows_n(self) -> tuple[int, int]:
+        """(rows, n) of the first input: how the auto table buckets a call (see hkernels.dispatch)."""
+        t = self.inputs[0]
+        return t.numel() // t.shape[-1], t.shape[-1]
