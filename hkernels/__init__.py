@@ -7,9 +7,11 @@ kernels on CPU tensors in Triton's interpreter.
 
 from __future__ import annotations
 
+# First: importing _interpret fixes interpret mode for the process (triton_fallback/_interpret.py) before any kernel
+# module or triton is imported, since triton.jit decides interpreted-or-not when it decorates.
 from hkernels import _interpret
 
-_interpret.setup()  # before any kernel module is imported: triton.jit reads TRITON_INTERPRET when it decorates
+_interpret.setup()
 
 # ops: the Helion kernels' package, callable (hkernels.ops() lists the ops); nn: modules over the ops
 from hkernels import nn, ops  # noqa: E402

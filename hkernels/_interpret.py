@@ -1,11 +1,13 @@
 """Interpret mode: run the helion and triton backends on CPU tensors (``HKERNELS_INTERPRET=1``).
 
-Triton decides between compiling and interpreting a kernel when ``triton.jit`` decorates it, so the variable
-must be set before any kernel module is imported: :func:`setup` runs when ``hkernels`` is imported and sets
-``TRITON_INTERPRET=1`` for the process. Helion kernels then run the Triton code Helion generates, in Triton's
-interpreter — the same code path as on a GPU, not Helion's eager reference mode.
+The variable is read in one place, ``triton_fallback/_interpret.py``, which ``import hkernels`` imports first: in
+interpret mode it sets ``TRITON_INTERPRET=1`` for the process before any kernel is decorated. Helion kernels then
+run the Triton code Helion generates, in Triton's interpreter: the same code path as on a GPU, not Helion's eager
+reference mode. :func:`check` (the dispatcher's slow path) raises when interpret mode is asked for in a process
+whose kernels were not decorated for it.
 
-Two things stand in the way, and are mended in interpret mode only:
+Two things stand in Helion's way, mended by :func:`prepare_helion` in interpret mode only, when the first Helion
+kernel module is imported (``import hkernels`` imports neither Helion nor Triton):
 - Helion's generated code calls ``libdevice.*`` (rsqrt, exp, ...), which the interpreter does not implement.
   Helion's ``libdevice`` is replaced by a proxy that, at call time, forwards each function to its
   ``tl.math``/``tl`` twin: the interpreter patches those modules when a kernel launches, so the lookup must
@@ -13,25 +15,31 @@ Two things stand in the way, and are mended in interpret mode only:
 - Helion's NaN-propagating max/min reductions (for ``torch.amax``/``amin``) are ``tl.reduce`` with a custom
   combine function, which the interpreter runs one element at a time (seconds per row of a few thousand).
   They are replaced by the same reduction written with vectorised ``tl.max``/``tl.min``, NaN kept as NaN.
-
-One more mend makes the interpreter model the GPU faithfully for every kernel: it converts float32 to bfloat16
-by truncating the mantissa, where the GPU rounds to nearest even (seen: a bf16 rms_norm of N = 1 one ulp low).
-The conversion is routed through PyTorch's, which rounds as the GPU does.
+The interpreter's own differences from a GPU (bfloat16 rounding and dots) are mended for both backends in
+``triton_fallback/_interpret.py``.
 """
 
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Callable
 from typing import Any
 
-_TRUE = {"1", "true", "yes", "on"}
+from triton_fallback import _interpret as _mode
 
 
 def enabled() -> bool:
-    """True when ``HKERNELS_INTERPRET`` asks for interpret mode."""
-    return os.environ.get("HKERNELS_INTERPRET", "").strip().lower() in _TRUE
+    """True when ``HKERNELS_INTERPRET`` asks for interpret mode (read now)."""
+    return _mode.requested()
+
+
+def check() -> None:
+    """Raise if interpret mode is asked for now but this process's kernels cannot run in the interpreter
+    (``HKERNELS_INTERPRET=1`` set after ``import hkernels``, or ``triton`` imported before it). For the
+    dispatcher's slow path: a call's route is decided once per signature."""
+    problem = _mode.problem()
+    if problem is not None:
+        raise RuntimeError(f"hkernels: {problem}")
 
 
 class _LibdeviceProxy(types.ModuleType):
@@ -73,76 +81,24 @@ def _reduce_propagate_nan(kind: str) -> Callable[..., Any]:
     return reduce
 
 
-def _round_bf16_like_the_gpu() -> None:
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.cast_impl, "_hkernels", False):
-        return
-    truncating = builder.cast_impl
-
-    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
-        return truncating(self, src, dst_type)
-
-    cast_impl._hkernels = True  # type: ignore[attr-defined]
-    builder.cast_impl = cast_impl  # type: ignore[method-assign]
-    # the lambdas that route integer and float casts through cast_impl look it up on the instance: no change
-
-
-def _widen_bf16_dots() -> None:
-    """Triton's interpreter (3.6-3.9) keeps bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as
-    integers (errors ~1e10). A GPU's bf16 MMA multiplies exactly and accumulates in float32: widening both operands
-    to float32 (exact: a bf16 is the high half of a float32) gives the same products."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_hkernels", False):
-        return
-    integer_dot = builder.create_dot
-
-    def widen(x: Any) -> Any:
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        bits = np.ascontiguousarray(x.data).astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
-        return integer_dot(self, widen(a), widen(b), d, *args)
-
-    create_dot._hkernels = True  # type: ignore[attr-defined]
-    builder.create_dot = create_dot  # type: ignore[method-assign]
-
-
 def setup() -> None:
-    """Prepare the process for interpret mode when ``HKERNELS_INTERPRET=1``; do nothing otherwise."""
-    if not enabled():
-        return
-    if os.environ.get("HELION_INTERPRET", "").strip().lower() in _TRUE:
+    """At ``import hkernels``: refuse a combination of interpreters that cannot work; do nothing otherwise."""
+    if _mode.requested() and _mode.env_true("HELION_INTERPRET"):
         raise RuntimeError(
             "hkernels: HKERNELS_INTERPRET=1 runs Helion's generated Triton in Triton's interpreter and cannot be "
             "combined with HELION_INTERPRET=1 (Helion refuses both interpreters in one process); unset one"
         )
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import torch._inductor.runtime.triton_compat as triton_compat
-    except ImportError:  # no triton: the kernel backends are unavailable anyway
+
+
+def prepare_helion() -> None:
+    """Mend Helion's generated code for Triton's interpreter (see the module docstring): when the first Helion
+    kernel module is imported, in interpret mode only."""
+    if not _mode.interpreting():
         return
-    _round_bf16_like_the_gpu()
-    _widen_bf16_dots()
+    import torch._inductor.runtime.triton_compat as triton_compat
+    from helion.runtime.triton import helpers
+
     if not isinstance(triton_compat.libdevice, _LibdeviceProxy):
         triton_compat.libdevice = _LibdeviceProxy("libdevice")
-    try:
-        from helion.runtime.triton import helpers
-    except ImportError:  # no helion: only the triton backend runs
-        return
     helpers.max_propagate_nan = _reduce_propagate_nan("max")
     helpers.min_propagate_nan = _reduce_propagate_nan("min")

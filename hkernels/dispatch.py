@@ -189,6 +189,7 @@ def _device_reason(backend: str, tensors: tuple[torch.Tensor, ...]) -> str | Non
     if devices == {"cuda"}:
         return None
     if devices == {"cpu"} and _interpret.enabled():
+        _interpret.check()  # asked for after import: one clear error, not a kernel failing in the interpreter
         return None
     if len(devices) > 1:
         return f"its tensors are on several devices ({', '.join(sorted(devices))})"
@@ -277,8 +278,7 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
 def _shape_key(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     """(rows, n) of a call as the auto table buckets it: the last dim of its first tensor of 2 or more dims (of its
     first tensor when none has 2) and that tensor's other elements. A loss's backward passes its per-row factors
-    [T] before the gradient [T, V]: bucketed by [T], it ran on the backend measured for rows of T elements, not the
-    forward's (seen on the H200: auto's cross_entropy fwd+bwd 5-13% slower than Triton's at V = 8192-65536)."""
+    [T] before the gradient [T, V]: it is bucketed by [T, V], as its forward is, not by rows of T elements."""
     t = _routed_tensor(tensors)
     n = t.shape[-1] if t.dim() else 1
     return (t.numel() // n if n else 0), n
@@ -584,7 +584,10 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
 def backends(op: str) -> list[str]:
     """Backends that can run ``op`` on this machine (CUDA present, or interpret mode), best first."""
     _check_op(op)
-    kernels_here = torch.cuda.is_available() or _interpret.enabled()
+    kernels_here = torch.cuda.is_available()
+    if not kernels_here and _interpret.enabled():
+        _interpret.check()
+        kernels_here = True
     out = [b for b in ("helion", "triton") if kernels_here and not isinstance(registry.load(op, b), str)]
     return [*out, "torch"]
 

@@ -49,7 +49,7 @@ from hkernels.functional import swiglu as _swiglu
 Tensor = torch.Tensor
 
 OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "attention")
-# What ops=None patches: attention is opt-in until it is measured in whole models (ops=[..., "attention"]).
+# What ops=None patches: attention is opt-in (ops=[..., "attention"]): its effect on whole models is unmeasured.
 DEFAULT_OPS = tuple(o for o in OPS if o != "attention")
 _RECORD = "_hkernels_patches"
 

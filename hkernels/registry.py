@@ -47,17 +47,19 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("attention", "hkernels.ops.attention", "triton_fallback.attention", "hkernels.functional.attention"),
 )}
 
-# One import at a time: a first op call imports torch._dynamo (custom ops) and Helion's import pulls in
-# torch._inductor, which imports torch._dynamo too. Done from two threads at once, the two chains waited on each
-# other's module locks and Python broke the cycle by handing out half-initialised modules (seen on the H200:
-# "partially initialized module 'torch._dynamo'", after which every op failed in that process).
+# One import at a time, and torch._dynamo before Helion: a call on the custom-op path (torch.compile, modes,
+# subclasses) imports torch._dynamo, which imports torch._inductor; Helion's import pulls in torch._inductor, which
+# imports torch._dynamo. Started from two threads at once, the two chains wait on each other's module locks and
+# Python breaks the cycle by handing out half-initialised modules ("partially initialized module
+# 'torch._dynamo'"), after which every op fails in that process. With torch._dynamo imported first, Helion's chain
+# finds it whole. A plain eager call imports neither.
 _import_lock = threading.RLock()
 _loaded: dict[tuple[str, str], ModuleType | str] = {}
 _prepared = False
 
 
 def prepare() -> None:
-    """Import, once and under the import lock, what a first op call would otherwise import lazily."""
+    """Import torch._dynamo, once and under the import lock: before Helion is imported (see above)."""
     global _prepared
     if _prepared:
         return
@@ -74,7 +76,8 @@ def load(op: str, backend: str) -> ModuleType | str:
     found = _loaded.get(key)
     if found is None:
         with _import_lock:
-            prepare()
+            if backend == "helion":
+                prepare()
             found = _loaded.get(key)
             if found is None:
                 try:

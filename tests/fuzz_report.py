@@ -4,7 +4,7 @@
     python -m tests.fuzz_report replay OP BACKEND 'CHOICES' [DEVICE]      # one recorded example again
 
 pytest stops a hypothesis test at its first failure and then shrinks it, and on the GPU a CUDA fault ends the
-process: a GPU session with minutes to spend learns one failure per op that way. Here each example's drawn
+process: a GPU run with minutes to spend learns one failure per op that way. Here each example's drawn
 choices, error and last frames are written as it finishes (a time limit keeps what was written), and a
 recorded example replays from its choices on any device (``cpu`` with HKERNELS_INTERPRET=1).
 """

@@ -6,8 +6,8 @@ is within ``factor`` times the error PyTorch's own computation in the same dtype
 ``atol`` relative to the size of the reference (so exact-zero baselines do not demand exact results). Gradients
 get one more term: float32's floor times the size of the terms the backward subtracts (rstd·|w|·|dy| for the
 norms). The kernels compute in float32 whatever the I/O dtype, and a gradient that is mathematically 0
-(layer_norm with N = 1) keeps the float32 rounding of those terms in any fused kernel (seen on the H200: a
-contracted multiply-add left 1 ulp × 1/sqrt(eps)), which PyTorch's unfused eager baseline happens to avoid. No
+(layer_norm with N = 1) keeps the float32 rounding of those terms in any fused kernel (a contracted multiply-add
+leaves 1 ulp × 1/sqrt(eps) on the GPU), which PyTorch's unfused eager baseline happens to avoid. No
 element is asked to be closer than one ulp of the dtype at its own size (:func:`ulps`).
 """
 
@@ -115,7 +115,7 @@ def ulps(dtype: torch.dtype, ref: Tensor) -> Tensor:
     least error a check asks for, element by element. The bound from PyTorch's error alone can fall below it where
     PyTorch's result happens to be almost exact: matmul's bias gradient in bfloat16 (a sum of a few rounded terms),
     measured over 150 draws with 7 rows, had the same error as PyTorch's (mean 3.0e-3 vs 3.1e-3 of the largest
-    value), and each exceeded twice the other's in about 5% of them (found on the H200 by the fuzz tests)."""
+    value), and each exceeded twice the other's in about 5% of them."""
     info = torch.finfo(dtype)
     size = ref.double().abs().clamp_min(info.tiny)
     one = info.eps * torch.exp2(torch.floor(torch.log2(size)))
@@ -245,10 +245,10 @@ def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool 
 def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                              ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
-    (hkernels/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
+    (triton_fallback/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
     different algorithm)."""
-    from hkernels import _chunked
+    from triton_fallback import _chunked
 
     rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     losses = [
@@ -281,7 +281,7 @@ CASES_LLM: list[Case] = [
     _rope_case("batch_tables", 2, 2, 1, 5, 64, batch_tables=True),
     _rope_case("transposed", 2, 4, 2, 9, 128, transposed=True),
     _rope_case("d2", 1, 2, 2, 3, 2),
-    _rope_case("d2_one_token", 1, 1, 1, 1, 2),  # every size 1 too: Helion's code for it did not compile on the H200
+    _rope_case("d2_one_token", 1, 1, 1, 1, 2),  # every size 1 too: a shape Helion's codegen must handle
     _rope_case("llama_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
     _rope_case("llama_70b_odd", 1, 64, 8, 1000, 128, gpu_only=True),
     *[
@@ -331,8 +331,8 @@ def _torch_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: 
 
 def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
     """PyTorch's scaled_dot_product_attention in the input dtype (kv heads repeated for grouped queries), on
-    copies with row-major strides: on the H200 its memory-efficient kernel raised "query is not correctly aligned"
-    for a transposed float32 q and read out of alignment (a CUDA misaligned-address fault) for a float16 column
+    copies with row-major strides: on a GPU its memory-efficient kernel raises "query is not correctly aligned"
+    for a transposed float32 q and reads out of alignment (a CUDA misaligned-address fault) for a float16 column
     slice; the layout is hkernels' to handle, not the baseline's. ``contiguous()`` is not enough: with one query
     (S = 1) a transposed q counts as contiguous and keeps the odd stride of its size-1 dim, which SDPA checks."""
     group = q.shape[1] // k.shape[1]
@@ -340,8 +340,8 @@ def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scal
     q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     # Scales <= 0 are computed as the same scores, exactly, with a positive one: (-q)·k·|scale|, and (0·q)·k·1
     # (autograd carries the factor to dq). SDPA's own gradients for them are unusable as a bound: NaN on a CPU for a
-    # negative causal case in bfloat16, and "error 0" on the H200 for 0 and -0.3 (the bound reads NaN as 0), which
-    # failed hkernels' ordinary bf16 rounding there.
+    # negative causal case in bfloat16, and "error 0" on the GPU for 0 and -0.3 (the bound reads NaN as 0), which
+    # no bf16 rounding can meet.
     if scale is not None and scale < 0:
         q, scale = -q, -scale
     elif scale == 0:

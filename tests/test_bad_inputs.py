@@ -125,6 +125,20 @@ def test_bad_input_raises_naming_the_op_and_the_problem(op, cell, device):
                 getattr(hkernels, op)(**args)
 
 
+@pytest.mark.parametrize("eps", [0.0, -1e-6, 0, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
+def test_eps_must_be_finite_and_positive(op, eps, device):
+    """eps ≤ 0 would divide by zero on a constant row (NaN out); a non-finite eps is never meant."""
+    args = GOOD[op][0](device)
+    with pytest.raises(ValueError, match=rf"hkernels\.{op}: eps must be a finite number greater than 0"):
+        getattr(hkernels, op)(**args, eps=eps)
+
+
+def test_eps_of_int_type_is_accepted(device):
+    args = GOOD["rms_norm"][0](device)
+    torch.testing.assert_close(hkernels.rms_norm(**args, eps=1), references.rms_norm(**args, eps=1))
+
+
 # Cells with a right answer: the op's fuzz maker with the choices fixed, checked as the fuzzing checks.
 RIGHT: dict[str, dict[str, Any]] = {
     "zero_rows": {"rows": 0, "tokens": 0, "seq": 0, "m": 0},
@@ -156,8 +170,8 @@ def test_all_targets_ignored(op, reduction, backend, device):
 @pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
 def test_one_class_loss_is_exactly_zero(op, smoothing, backend, device):
     """With one class, log-softmax is exactly 0 and so is PyTorch's loss, however large the logits; computed as
-    lse − (1−ε)·x_t − ε·mean(x) it was an ulp of |x| instead (found on the H200 by the fuzz tests). ε = 0 was exact
-    before too (lse − x_t): it keeps the path without smoothing exact."""
+    lse − (1−ε)·x_t − ε·mean(x) it would be an ulp of |x| instead. ε = 0 (lse − x_t) keeps the path without
+    smoothing exact as well."""
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(33, 16, generator=g) * 1e5).to(device)
     w = torch.randn(1, 16, generator=g).to(device)
@@ -282,8 +296,8 @@ def test_attention_more_than_2_31_elements(backend, device):
 def _break_helion_compiles(monkeypatch) -> None:
     """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled
     (hkernels/ops/_helion.py's compiled, rope's own launcher). Auto's measured table is set aside, so auto picks Helion
-    first: on the H200 it picks Triton for matmul, small rope and small linear-CE calls, where no Helion kernel
-    would run (these tests failed there, not on a CPU, which has no table)."""
+    first: a GPU's table may pick Triton (sm90's does for matmul, small rope and small linear-CE calls), where no
+    Helion kernel would run and nothing would be tested."""
     from hkernels import dispatch
     from hkernels.ops import _helion, rope
 
@@ -315,7 +329,7 @@ def test_helion_compile_failure_falls_back_to_triton_with_one_warning(op, monkey
 @pytest.mark.parametrize("op", ["cross_entropy", "rms_norm"])
 def test_selected_backend_sees_a_remembered_helion_failure(op, monkeypatch, device):
     """After a Helion failure under auto, selected_backend names Triton and the failure, for a loss too (whose
-    kernel takes more tensors than its public call: the failure was remembered under the kernel's tensors only)."""
+    kernel takes more tensors than its public call, while the failure is remembered under the kernel's own)."""
     _break_helion_compiles(monkeypatch)
     x = torch.randn(6, 40, device=device)
     args = (x, torch.randint(0, 40, (6,), device=device)) if op == "cross_entropy" else (x,)
@@ -390,8 +404,8 @@ def test_bitwise_deterministic(op, backend, device):
 @pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf])
 def test_attention_with_one_key_and_a_non_finite_score_gives_nan(special, backend, device):
     """softmax over one score s is exp(s − s): NaN when s is not finite, so is that query's output (PyTorch's SDPA
-    on a GPU and the float64 formula agree; its CPU kernel gives 0, so the generic check accepts either and could
-    not see Helion's one-key shortcut returning v there: found on the H200)."""
+    on a GPU and the float64 formula agree; its CPU kernel gives 0, so the generic check accepts either and cannot
+    tell a one-key shortcut that returns v)."""
     q = torch.randn(1, 2, 3, 16, device=device, dtype=torch.bfloat16)
     k = torch.randn(1, 1, 1, 16, device=device, dtype=torch.bfloat16).abs() + 0.5  # score of ±inf stays ±inf
     v = torch.randn(1, 1, 1, 16, device=device, dtype=torch.bfloat16)
@@ -409,7 +423,7 @@ def test_attention_with_one_key_and_a_non_finite_score_gives_nan(special, backen
 @pytest.mark.parametrize("kv", [1, 3])
 def test_attention_rows_whose_scores_are_all_far_below_zero(kv, backend, device):
     """|q| ~ 1e5: some rows' scores are all below −88, where exp of a padded key's score 0 minus the row's max
-    overflows; Helion's forward and dq gave NaN there (found by the fuzz tests), PyTorch a finite answer."""
+    overflows; a kernel that lets a padded key in gives NaN there (forward and dq), PyTorch a finite answer."""
     run_case("attention", backend, Fixed(torch.float32, values="large", seq=7, **{"kv seq": kv}), device)
 
 
@@ -417,9 +431,9 @@ def test_attention_rows_whose_scores_are_all_far_below_zero(kv, backend, device)
 @pytest.mark.parametrize("kv", [65, 130])
 def test_attention_a_dominant_key_gets_weight_one(kv, backend, device):
     """Scores ~1e5 (|q| ~ 1e5, bf16): every row's softmax is one-hot, so o is exactly the top key's v row and dk is
-    0 up to float32 rounding. With the fused exp2(s·c − m·c) the top key got p = exp2(rounding error) ≠ 1, o missed
-    v by an ulp and dk by |q| times an ulp of dp (888 where PyTorch's error was 0.05: found by the H200 fuzz). The
-    CPU interpreter never fuses a multiply into an add, so only a GPU run can fail this."""
+    0 up to float32 rounding. With the fused exp2(s·c − m·c) the top key would get p = exp2(rounding error) ≠ 1, o
+    would miss v by an ulp and dk by |q| times an ulp of dp, far above PyTorch's error. The CPU interpreter never
+    fuses a multiply into an add, so only a GPU run can fail this."""
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(1, 2, 3, 128, generator=g, dtype=torch.float64) * 1e5).to(torch.bfloat16)
     k, v = (torch.randn(1, 1, kv, 128, generator=g, dtype=torch.float64).to(torch.bfloat16) for _ in range(2))
@@ -449,8 +463,8 @@ def _rss_bytes() -> int:
 def _settled_gpu_bytes(device: torch.device) -> int:
     """torch.cuda.memory_allocated once it stops changing. The backward of CUDA tensors runs on autograd's device
     thread, which can drop its last intermediate gradients a moment after torch.autograd.grad has returned (and
-    torch.cuda.synchronize waits for kernels, not threads): on the H200 (session 8) a single reading was one such
-    tensor off, 512 KiB above the later one for geglu ([64, 4096] bf16) and 16 KiB below it for layer_norm."""
+    torch.cuda.synchronize waits for kernels, not threads): a single reading can be one such tensor off, above or
+    below the settled value."""
     import time
 
     now = torch.cuda.memory_allocated(device)
@@ -477,7 +491,6 @@ def test_ten_thousand_calls_leave_memory_flat(op, backend, device):
     fn = getattr(hkernels, op)
     outs, _, ups = _with_grads(fn, inputs, kwargs, grads, None, d.gen)
     # upstream gradients on the device once: a host-to-device copy from pageable memory per call syncs every call
-    # (on the H200, with twelve workers, 6 of the 22 cells finished in ~190 s)
     ups = [u.to(device=o.device, dtype=o.dtype) for o, u in zip(outs, ups, strict=True)]
 
     def calls(n: int) -> None:

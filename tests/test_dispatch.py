@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from importlib import resources
@@ -16,9 +19,9 @@ from hkernels import configs, dispatch, references, registry
 
 @pytest.fixture(autouse=True)
 def _no_shipped_auto_table(monkeypatch):
-    """These tests hold the dispatcher's rules, not one GPU's measurements: on the H200 the shipped sm90 table
-    (Triton for decode-size rows, where its host path is shorter) decided what auto ran for their small inputs, and
-    10 of them failed there once that table changed. Hidden here; a test's own user table still counts."""
+    """These tests hold the dispatcher's rules, not one GPU's measurements: a shipped table (the sm90 one picks
+    Triton for decode-size rows, where its host path is shorter) would decide what auto runs for their small
+    inputs. Hidden here; a test's own user table still counts."""
     shipped = str(resources.files(configs.__name__).joinpath("auto"))
     real = configs._read
     monkeypatch.setattr(configs, "_read", lambda path: {} if str(path).startswith(shipped) else real(path))
@@ -47,6 +50,22 @@ def test_backends_without_gpu_or_interpret_is_torch_only(monkeypatch):
     monkeypatch.delenv("HKERNELS_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert hkernels.backends("softmax") == ["torch"]
+
+
+def test_a_plain_call_imports_no_compiler_and_no_kernel_backend():
+    """``import hkernels`` and an eager call on the torch backend (CPU tensors, no interpret mode) import neither
+    Helion, Triton nor torch._dynamo / torch._inductor: those come with the first call routed to a kernel or with
+    torch.compile."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HKERNELS_INTERPRET", "TRITON_INTERPRET")}
+    code = ("import sys, torch, hkernels\n"
+            "x = torch.randn(4, 64, requires_grad=True)\n"
+            "hkernels.rms_norm(x, torch.ones(64)).sum().backward()\n"
+            "hkernels.cross_entropy(torch.randn(4, 8), torch.tensor([0, 1, 2, 3]))\n"
+            "print(sorted(m for m in ('helion', 'triton', 'torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_backends_rejects_unknown_op():
@@ -369,8 +388,8 @@ def test_selected_backend_buckets_softmax_by_the_dim_it_runs_on(user_auto_table,
 def test_a_loss_backward_runs_where_its_forward_did_under_auto(user_auto_table, monkeypatch, device):
     """cross_entropy's backward kernel takes (per-row factors [T], gradient [T, V]): auto buckets it by the
     gradient, as the forward by the logits, so both run on the backend measured for rows of V logits (bucketed by
-    the factors, the backward ran on the backend measured for rows of T elements: Helion's where the table chose
-    Triton, measured 5-13% slower on the H200)."""
+    the factors, the backward would run on the backend measured for rows of T elements, not the one the table
+    chose for it)."""
     user_auto_table('{"cross_entropy": [{"max_rows": null, "max_n": 64, "backend": "helion", "measured": "h"},'
                     ' {"max_rows": null, "max_n": null, "backend": "triton", "measured": "t"}]}')
     logits = torch.randn(32, 128, device=device, requires_grad=True)  # T = 32 <= 64 < V = 128

@@ -363,7 +363,7 @@ def test_an_op_that_writes_into_its_input_fails_the_fuzz_check(monkeypatch, devi
 
 
 def test_fuzz_report_records_every_example_and_replays_one(tmp_path, device):
-    """tests/fuzz_report.py (the GPU sessions' tool): a JSON line per example with its choices, replayable."""
+    """tests/fuzz_report.py (the tool for GPU runs): a JSON line per example with its choices, replayable."""
     import json
 
     from tests import fuzz_report

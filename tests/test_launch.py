@@ -40,8 +40,8 @@ def test_key_is_finer_than_triton_specialisation():
 
 
 def test_no_launch_hook_by_default_and_one_when_a_profiler_adds_it():
-    """Triton keeps launch hooks in chains that are never None: an empty chain must leave the lean path on (it
-    was off for every launch on the H200 until this was checked), a hook added must turn it off."""
+    """Triton keeps launch hooks in chains that are never None: an empty chain must leave the lean path on (a
+    check for None would turn it off for every launch), a hook added must turn it off."""
     from triton import knobs
 
     assert not _launch._hooks()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import hkernels
-from hkernels import _chunked, references
+from hkernels import references
 from tests.specs import BACKENDS, CASES_LLM, DTYPES, cast_case, max_error
+from triton_fallback import _chunked
 
 Tensor = torch.Tensor
 

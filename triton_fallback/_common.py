@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from triton_fallback._interpret import interpreting  # (the kernel modules import it from here)
 
 # Elements per row up to which a row stays in registers.
 MAX_RESIDENT_FWD = 32768
@@ -31,17 +32,14 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
 @functools.lru_cache(maxsize=8)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device``; a small stand-in on CPU (interpret mode), where it only shapes grids."""
+    """Multiprocessors of ``device`` (the one place that asks CUDA); a small stand-in on CPU (interpret mode),
+    where it only shapes grids."""
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -141,11 +139,9 @@ def _row_settings_cached(
 def _row_settings(
     n: int, m: int, backward: bool = False, op: str | None = None, device: torch.device | None = None
 ) -> RowSettings:
-    """The settings themselves (see row_settings).
-
-    Measured on the H200 (python -m bench.sweep, bf16, 16384 rows): about 8192 elements per program was best
-    for the forward kernels (2 rows of 4096 with 8 warps: 89-90% of copy; 1 row of 8192 with 4 warps: 94-96%);
-    long rows loop best over 8192-element chunks with 16 warps (softmax over 128256: 65%, pass 2 re-reads).
+    """The settings themselves (see row_settings): about 8192 elements per program for the forward kernels (2 rows
+    of 4096 with 8 warps, 1 row of 8192 with 4); long rows loop over 8192-element chunks with 16 warps. The
+    fastest of ``python -m bench sweep``'s candidates (see bench/results/h200/README.md).
     """
     if op is not None and device is not None and not backward:
         tuned = tuned_row_settings(op, n, device)
@@ -160,8 +156,7 @@ def _row_settings(
             return RowSettings(True, block_m, block_n, 4)
         return RowSettings(False, 1, 32768, 4)
     if block_n <= max_resident and backward:
-        # Softmax backward rows hold dy and y: one row per program, more threads per row (16 warps from 4096:
-        # 97-100% of copy measured).
+        # Softmax backward rows hold dy and y: one row per program, more threads per row (16 warps from 4096).
         block_m = min(next_pow2(m), max(1, 2048 // block_n))
         return RowSettings(True, block_m, block_n, 16 if block_n >= 4096 else 8)
     if block_n <= max_resident:
@@ -174,11 +169,9 @@ def _row_settings(
 def persistent_bwd_settings(n: int, m: int) -> RowSettings:
     """Rows per loop step, warps, pipelining and programs per SM for the persistent norm backward kernels.
 
-    From python -m bench.sweep on the H200 (bf16, 16384 rows), where Helion's twin kernel measured best with a
-    pipelined row loop: at N=4096 one row a step, 8 warps, 3 stages, 2 programs per SM (rms_norm 71% of copy for
-    the backward alone); at N=8192 one program per SM with 16 warps and 3 stages (rms_norm 87%, layer_norm 83%,
-    with 2 rows a step for rms_norm, which here spills registers on sm90 per cuobjdump, so 1). The same settings
-    are used here.
+    The settings of Helion's twin kernels' sm90 configs, which pipeline the row loop: below N = 8192, 4096
+    elements a step (one row at N = 4096), 8 warps, 3 stages, 2 programs per SM; from N = 8192 one row a step (two
+    spill registers here on sm90), 16 warps, 3 stages, one program per SM. See bench/results/h200/README.md.
     """
     block_n = next_pow2(n)
     if interpreting():

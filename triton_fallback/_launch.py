@@ -24,13 +24,14 @@ launches.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from triton_fallback import _plan
+from triton_fallback import _interpret, _plan
 
 _I32 = 2**31
 _I64 = 2**63
@@ -84,12 +85,24 @@ def _shape(kernel: Any) -> Any:
 
 
 # Triton's interpreter patches triton.language module-wide while a kernel runs, so two threads interpreting kernels
-# at once break each other ("Did you forget to add @triton.jit?", seen in tests/test_bad_inputs.py): in interpret
-# mode every launch (hand-written here, Helion's in hkernels/ops/_helion.py) holds this lock.
+# at once break each other ("Did you forget to add @triton.jit?"): in interpret mode every launch (hand-written
+# here, Helion's in hkernels/ops/_helion.py) runs inside interpreted(), which holds this lock.
 INTERPRET_LOCK = threading.RLock()
-# Read once: triton.jit decides interpreted-or-not when a kernel is decorated, so the env is fixed by then, and a
-# lookup per launch would cost host time on the GPU's hot path.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Fixed for the process (triton.jit decided when the kernels were decorated): a constant, not a lookup per launch.
+_INTERPRETED = _interpret.interpreting()
+if _INTERPRETED:
+    _interpret.mend()  # before the first interpreted launch of either backend (Helion's launches come through here)
+
+
+@contextlib.contextmanager
+def interpreted() -> Iterator[None]:
+    """Around a launch in Triton's interpreter: one at a time (``INTERPRET_LOCK``), and NumPy's floating-point
+    warnings off. The interpreter computes every lane of a block with NumPy, masked ones too (log(0), 0·inf on
+    lanes past a row's end), whose results are never stored: their warnings say nothing about the call."""
+    import numpy as np
+
+    with INTERPRET_LOCK, np.errstate(all="ignore"):
+        yield
 
 
 def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
@@ -99,7 +112,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     Inside a replayed plan (``triton_fallback/_plan.py``) the compiled kernel is the one the plan recorded for
     this launch: no key is built at all."""
     if _INTERPRETED:
-        with INTERPRET_LOCK:
+        with interpreted():
             kernel[grid](*args, **meta)
         return
     cursor = _plan._cursor
@@ -228,7 +241,7 @@ class Bound:
 
     def _first(self, *args: Any) -> None:
         if _INTERPRETED:
-            with INTERPRET_LOCK:
+            with interpreted():
                 self.kernel[self.grid](*args, **self.meta)
             return
         found = _launch_once(self.kernel, self.grid, args, self.meta, bound=True)
@@ -276,6 +289,7 @@ def helion_launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_w
     if kwargs:
         from helion.runtime import default_launcher
 
-        default_launcher(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
+        with interpreted() if _INTERPRETED else contextlib.nullcontext():
+            default_launcher(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
         return
     launch(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages)

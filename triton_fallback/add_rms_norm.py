@@ -1,15 +1,9 @@
-"""Residual add + RMS norm in hand-written Triton (the twin of ``hkernels/ops/add_rms_norm.py``).
+"""Residual add + RMS norm in hand-written Triton: the twin of ``hkernels/ops/add_rms_norm.py``, whose docstring
+gives the math and the bytes moved.
 
-Math, per row of N elements:  s = x + residual (rounded to x's dtype, as the unfused ``s = x + residual;
-rms_norm(s)`` of a Llama layer),  rstd = 1 / sqrt(mean(s²) + eps) from the rounded s,  y = s · rstd · w.
-Backward, with dy the gradient of y and ds that of s (the residual stream's, or None):
-dsum = rstd·(w·dy) − s·rstd³·mean(w·dy·s) + ds  (the gradient of both x and residual),  dw = Σ_rows dy·s·rstd.
-
-The kernels are rms_norm's (``triton_fallback/rms_norm.py``), run with their optional residual and ds: the
-forward reads x and residual once and writes y and s once; the backward reads dy, ds and s once and writes dsum
-once. Bytes for [M, N] of b-byte elements: forward 4·M·N·b (+ 4M for rstd), backward 4·M·N·b plus a
-[programs, N] float32 partial of dw. Long rows (past the resident limits) loop as rms_norm's do: the forward's
-second pass reads s back, the backward reads dy and s twice.
+The kernels are rms_norm's (``triton_fallback/rms_norm.py``), run with their optional residual and ds. Long rows
+(past the resident limits) loop as rms_norm's do: the forward's second pass reads s back, the backward reads dy
+and s twice.
 """
 
 from __future__ import annotations

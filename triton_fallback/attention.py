@@ -1,41 +1,21 @@
-"""Flash attention, forward and backward, in hand-written Triton (the twin of ``hkernels/ops/attention.py``).
+"""Flash attention, forward and backward, in hand-written Triton: the twin of ``hkernels/ops/attention.py``, whose
+docstring gives the math, the shapes and the work and traffic of both directions.
 
-Math, per (batch, query head h, query row i), with kv head h // (Hq/Hk) (grouped-query attention):
-    s_ij = scale · q_i·k_j   (causal: only j ≤ i)        lse_i = log Σ_j exp(s_ij)
-    p_ij = exp(s_ij − lse_i)                            o_i = Σ_j p_ij v_j
-Backward, with delta_i = Σ_d do_id·o_id (= Σ_j p_ij dp_ij):
-    dv_j = Σ_i p_ij do_i      dp_ij = do_i·v_j      ds_ij = p_ij (dp_ij − delta_i)
-    dq_i = scale Σ_j ds_ij k_j                       dk_j = scale Σ_i ds_ij q_i
-(dk, dv of a kv head are summed over the query heads of its group.)
-
-Shapes: q [B, Hq, S, D]; k, v [B, Hk, Skv, D]; any strides with unit stride along D (transposed views of
-[B, S, H, D] projections are read in place); D in 16, 32, 64, 128. Out: o [B, Hq, S, D] contiguous, lse [B, Hq, S]
-float32 (natural log). The kernels exponentiate in base 2, log2(e) folded into the scale, so each exponential is
-one exp2 (the forward's running max is of the raw scores q·kᵀ; see below).
-
-Forward (online softmax): a program owns BLOCK_M query rows of one head and streams that head's K and V once,
-BLOCK_N rows at a time, keeping a running max m of the raw scores, row sum l and the unnormalised output in
-float32; p = exp2((s − m)·scale·log2 e), and each new block rescales by exp2((m_old − m_new)·scale·log2 e).
-FLOPs 4·B·Hq·S·Skv·D (half with the causal mask); bytes: q, o once,
-K/V once per query block (programs of one head run side by side, so K/V come mostly from L2). Causal blocks are
-split into the blocks left of the diagonal (no mask) and the diagonal blocks (masked); a non-causal Skv that is
-not a multiple of BLOCK_N gets one masked tail block. Query blocks of a causal head run longest first.
-
-Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``); (2) a program per (kv block, kv
-head) holds its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of
-its group, recomputing p from lse: no S×Skv matrix is ever stored; (3) dq either by float32 atomics from the
-same walk into a zeroed [B, Hq, S, D] buffer (5 matmuls per tile, summation order not fixed: dq may differ in the
-last bits from run to run), or by a separate kernel over query blocks that recomputes s and dp (7 matmuls per
-tile, bitwise deterministic; the default: 1.8× faster on the H200 than the atomics, which need smaller dk/dv
-tiles at D = 128; the atomics stay as a launch option for sweeps).
-dk and dv are deterministic either way.
-Matmul FLOPs: 2.5× the forward's with dq atomics, 3.5× with the dq kernel; bytes: k, v
-read once, q and do once per key block (mostly from L2: key blocks of a head run side by side), dk, dv written
-once; the atomics add a [BLOCK_M, D] float32 tile into L2 per step (the zeroed dq buffer: 4·B·Hq·S·D bytes).
-
-Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
-when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
-their scores are finite, and masks or a lse of +inf keep them out of every stored result.
+Specific to these kernels:
+- D in 16, 32, 64, 128. o comes out contiguous [B, Hq, S, D], lse [B, Hq, S] float32 (natural log); inside, each
+  exponential is one exp2 (log2 e folded into the scale).
+- Forward: causal blocks are split into those left of the diagonal (no mask) and the diagonal blocks (masked); a
+  non-causal Skv that is not a multiple of BLOCK_N gets one masked tail block; query blocks of a causal head run
+  longest first.
+- Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``); (2) a program per (kv block, kv
+  head) holds its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of
+  its group; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise deterministic: the
+  default), or, as a launch option, by float32 atomics from the same walk into a zeroed [B, Hq, S, D] buffer (5
+  matmuls per tile; the summation order is not fixed, so dq may differ in the last bits from run to run; smaller
+  dk/dv tiles at D = 128). dk and dv are deterministic either way.
+- Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
+  when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
+  their scores are finite, and masks or a lse of +inf keep them out of every stored result.
 """
 
 from __future__ import annotations
@@ -144,7 +124,7 @@ def _attention_fwd_inner(
     # a row's top score gets p = 1 exactly. The fused form exp2(s·qk_scale − m·qk_scale) gives it exp2 of the
     # product's rounding error, up to ±1% at scores ~1e5 (|q| ~ 1e5): the bf16 p of the p·v matmul then differs
     # from the float32 l it is divided by, o = v_top misses by an ulp, and the backward's p·(dp − δ), exactly 0
-    # there, becomes an ulp of dp times |q| in dk (found by the H200 fuzz: dk off by 888 where PyTorch's was 0.05).
+    # there, becomes an ulp of dp times |q| in dk (far above PyTorch's own error).
     for n0 in range(lo, hi, BLOCK_N):
         k_tile = _load_tile(k, b, hk, n0, Skv, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA)
         s = _dot(q_tile, tl.trans(k_tile), None, DOT)
@@ -459,15 +439,15 @@ class AttentionSettings:
 def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> AttentionSettings:
     """Launch settings for one kernel: ``kernel`` is "fwd", "dkdv" (backward over key blocks) or "dq" (backward
     over query blocks, run when the dkdv settings say ``dq_atomic=False``: always, as shipped); the delta pre-pass
-    has fixed settings. The same for causal and not. dq comes from the separate, bitwise reproducible dq kernel
-    (measured 1.8× faster on the H200 than dq by atomics; the whole suite passed there with it as the default).
+    has fixed settings. The same for causal and not. dq comes from the separate, bitwise reproducible dq kernel,
+    which is also the faster (see bench/results/h200/README.md).
 
     Interpreter (CPU): programs run one after another, numpy does the tile math; small tiles with BLOCK_M ≠
     BLOCK_N keep a [1, 2, 100, 64] test under a second and exercise every loop (full blocks, tails, diagonal).
 
-    H200 (sm_90, bf16/fp16), chosen by reasoning and the sm_90 compile check (ptxas: no register spills for D = 16
-    to 128, causal or not, GQA or not, TMA or pointer loads; shared memory ≤ 165 KB of 227); the backward's
-    settings were then swept there (see the dkdv branch):
+    sm_90 (bf16/fp16), chosen by reasoning and the sm_90 compile check (ptxas: no register spills for D = 16 to
+    128, causal or not, GQA or not, TMA or pointer loads; shared memory ≤ 165 KB of 227), the backward's by a sweep
+    (see the dkdv branch):
     - fwd: BLOCK_M 128 query rows (one warpgroup per 64 rows at D = 128: 8 warps; 4 at D ≤ 64), BLOCK_N 64 (the
       [128, 64] float32 scores beside the [128, D] accumulator: 143 registers at D = 128, 191 at D = 64),
       3 stages of K/V in flight (132 KB at D = 128).
@@ -491,9 +471,8 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
     if kernel == "fwd":
         return AttentionSettings(128, 64, 8 if wide else 4, 3)
     if kernel == "dkdv":
-        # Measured on the H200 (python -m bench.sweep_llm, B=4, H=32, S=4096, D=128, bf16): the separate dq kernel
-        # beside 64×128 dk/dv tiles reached 372 TFLOP/s (causal 342), dq by atomics with the 64×64 tiles it needs
-        # at D = 128 205-209 (137-202); 128×128 dk/dv tiles or 3 stages ran out of shared memory.
+        # The separate dq kernel beside 64×128 dk/dv tiles: the fastest of ``python -m bench sweep-llm``'s candidates
+        # (see bench/results/h200/README.md); 128×128 dk/dv tiles or 3 stages run out of shared memory.
         return AttentionSettings(64, 128, 8, 2)
     return AttentionSettings(128, 64, 8 if wide else 4, 3)
 

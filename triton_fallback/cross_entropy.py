@@ -1,18 +1,10 @@
-"""Cross-entropy over a vocabulary in hand-written Triton (the twin of ``hkernels/ops/cross_entropy.py``).
+"""Cross-entropy over a vocabulary in hand-written Triton: the twin of ``hkernels/ops/cross_entropy.py``, whose
+docstring gives the math, the two passes and the bytes moved.
 
-Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
-    lse = log Σ_j exp(x_j),  loss = (1−ε)·(lse − x_t) + ε·(lse − (1/V)·Σ_j x_j)
-    ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
-A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
-
-The forward, asked for the gradient, writes it in the same call (scaled per row, e.g. by 1/valid rows for a
-mean): pass 1 reads the row once with an online (max, sum); pass 2 reads it again and writes the gradient. On the
-H200 pass 2 mostly misses L2 (see ``_settings``): 55% of copy counting one read and one write. A split-row
-variant that reads the logits once (a row's chunks held in registers by co-resident programs that combine
-their partial sums through an atomic count) was built and measured slower there (33-37%): its programs spend
-their time waiting for the row's other chunks with little in flight, so it is not shipped.
-The backward then only scales the stored gradient by the upstream gradient, in place, and skips rows whose
-factor is exactly 1 (the usual ``loss.backward()``), so it moves nothing in the common case.
+Here the forward is a persistent grid over rows (``_settings``). A split-row kernel that reads the logits once (a
+row's chunks held in registers by co-resident programs that combine their partial sums through an atomic count)
+is slower: its programs spend their time waiting for the row's other chunks with little in flight (see
+bench/results/h200/README.md).
 """
 
 from __future__ import annotations
@@ -60,9 +52,8 @@ def _cross_entropy_fwd_kernel(
             if HAS_GRAD and not XT_BARRIER:
                 # x_t picked out in passing, inside the block's reductions. A separate load of x[t] after pass 1
                 # races with pass 2 when the gradient overwrites the logits: another warp may store the gradient
-                # over x[t] before this warp's load is served (nothing orders them). Seen on the H200: float32
-                # linear-loss losses off by 5e-5-1e-3, varying run to run. The extra reduction costs: fwd+bwd at
-                # 8192 × 128256 bf16 went from 54% to 43% of copy (hence "barrier", the default).
+                # over x[t] before this warp's load is served (nothing orders them), and the loss varies from run
+                # to run. The extra reduction costs time, hence "barrier", the default (see GRAD_XT).
                 x_t += tl.sum(tl.where(cols == t, x, 0.0), axis=0)
         lse = row_max + tl.log(row_sum)
         if HAS_GRAD and not XT_BARRIER:
@@ -111,14 +102,10 @@ def _cross_entropy_bwd_kernel(
 def _settings(v: int) -> tuple[int, int, int, int]:
     """(BLOCK_V, warps, pipeline stages, programs per SM) for rows of ``v`` logits.
 
-    Measured on the H200 (python -m bench.sweep_llm, bf16, 36 candidates at 8192 × 128256 and 4096 × 262144):
-    16384-wide blocks, 16 warps, no pipelining of the row loops and 4 programs per SM (of which one is resident:
-    ~106 registers × 512 threads) were fastest, 55% of copy at both vocabularies (counting one read of the logits
-    and one write of the gradient); 8192 × 16 warps 45%, 4096 × 8 warps 49%, 2-3 stages 36-48%. Pass 2 re-reads
-    the row from HBM (the rows in flight, 132 × 256-512 KB, are not kept in L2 by the time it runs), so the kernel
-    moves 1.5× the bytes counted. Below 16384 logits a row: blocks of up to 8192 (as before the sweep: 16384 with
-    2 pipeline stages would ask too much shared memory for float32 rows), up to 8 warps, 2 programs per SM (not
-    swept).
+    From 16384 logits a row: 16384-wide blocks, 16 warps, no pipelining of the row loops and 4 programs per SM (of
+    which one is resident: ~106 registers × 512 threads), the fastest of ``python -m bench sweep-llm``'s candidates
+    (see bench/results/h200/README.md). Below: blocks of up to 8192 (16384 with 2 pipeline stages would ask too
+    much shared memory for float32 rows), up to 8 warps, 2 programs per SM.
     """
     if interpreting():  # one big block, few programs
         return min(next_pow2(v), 32768), 4, 1, 1
@@ -130,8 +117,7 @@ def _settings(v: int) -> tuple[int, int, int, int]:
 
 # How the forward with a gradient reads x[target] safely when the gradient overwrites the logits: "barrier" (one
 # load, then a CTA barrier before pass 2) or "reduce" (picked out inside pass 1's reductions, a fourth reduction per
-# block). Both pass the in-place race test on the H200; measured there (bf16, fwd+bwd, % of copy): "barrier" 54.2%
-# at 8192 x 128256 and 54.6% at 4096 x 262144, "reduce" 43.5% / 43.6%.
+# block). Both pass the in-place race test; "barrier" is the faster (see bench/results/h200/README.md).
 GRAD_XT = "barrier"
 
 

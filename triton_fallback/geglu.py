@@ -1,18 +1,8 @@
-"""GeGLU in hand-written Triton (the twin of ``hkernels/ops/geglu.py``).
+"""GeGLU in hand-written Triton: the twin of ``hkernels/ops/geglu.py``, whose docstring gives the math (both gelu
+forms and their derivatives), the shapes and the bytes moved.
 
-Math, element-wise over gate g and up u:  y = gelu(g)·u, with gelu in one of torch's two forms:
-  approximate="tanh":  gelu(g) = ½·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))) = g·σ(2z),  z = √(2/π)·(g + 0.044715·g³)
-  approximate="none":  gelu(g) = ½·g·(1 + erf(g/√2)) = g·Φ(g)
-(½·(1 + tanh z) = σ(2z) exactly, which needs no tanh and cannot overflow: σ(2z) → 0 or 1 at large |g|).
-For 16-bit inputs Φ comes from ``_normal_cdf_fast`` instead of erf: libdevice's erf costs ~40 instructions per
-element, which left the bf16 forward bound by instruction issue (H200: 3.3 TB/s against a copy's 4.3; the cheaper
-form 3.8-4.0); its error (≤ 3e-7 absolute) is far below a 16-bit ulp. float32 keeps erf: at 4 bytes an element
-there is time for it.
-Backward:  dg = dy·u·gelu'(g),  du = dy·gelu(g), with the exact derivative of the chosen form.
-
-Shapes: gate, up, dy: [M, N] with unit column stride and any row stride; outputs are contiguous [M, N] in gate's
-dtype. Bytes for b-byte elements: forward reads 2·M·N·b and writes M·N·b; backward reads 3·M·N·b and writes
-2·M·N·b. Tiles and launch settings as in ``swiglu.py``.
+For 16-bit inputs Φ comes from ``_normal_cdf_fast`` instead of erf (as the Helion kernels' ``P, A1..A5``). Tiles and
+launch settings as in ``swiglu.py``.
 """
 
 from __future__ import annotations

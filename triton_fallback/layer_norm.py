@@ -1,15 +1,9 @@
-"""Layer norm in hand-written Triton (the twin of ``hkernels/ops/layer_norm.py``).
+"""Layer norm in hand-written Triton: the twin of ``hkernels/ops/layer_norm.py``, whose docstring gives the math,
+how the variance is taken and the bytes moved.
 
-Math, per row of N elements:  mean = Σx/N,  rstd = 1/sqrt(Σ(x−mean)²/N + eps),  x̂ = (x−mean)·rstd,
-y = x̂·w + b.  Backward:  dx = rstd·(w·dy − mean(w·dy) − x̂·mean(w·dy·x̂)),  dw = Σ_rows dy·x̂,  db = Σ_rows dy.
-
-The variance is always taken around the mean (never E[x²] − mean², which cancels catastrophically when
-|mean| ≫ std): resident rows subtract the mean in registers; long rows merge per-chunk (count, mean, M2)
-with Chan's formula, so they are still read only twice.
-
-Bytes for x: [M, N] of b-byte elements: forward reads and writes M·N·b (+ 8M for mean, rstd); backward reads dy
-and x, writes dx (3·M·N·b) and [programs, N] float32 partials of dw and db, each summed and cast by one more
-kernel (``_partials.sum_partials``).
+The variance is always taken around the mean, never as E[x²] − mean², which cancels catastrophically when
+|mean| ≫ std. The backward writes [programs, N] float32 partials of dw and db, each summed and cast by one more
+kernel (``_partials.sum_partials``). Launch settings: ``_common.row_settings`` and ``persistent_bwd_settings``.
 """
 
 from __future__ import annotations

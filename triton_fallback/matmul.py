@@ -1,21 +1,6 @@
-"""Matmul with a fused epilogue in hand-written Triton (the twin of ``hkernels/ops/matmul.py``).
-
-Math, with float32 accumulation whatever the input dtype (float32 inputs use IEEE products, no tf32):
-  z = a @ b + bias,   y = act(z),   act in {none, relu, gelu (erf), gelu_tanh, silu}
-  relu(z) = max(z, 0);  gelu(z) = z·Φ(z) = ½·z·(1 + erf(z/√2));  gelu_tanh(z) = ½·z·(1 + tanh(√(2/π)·(z + 0.044715·z³)))
-  = z·σ(2u) with u = √(2/π)·(z + 0.044715·z³) (no tanh, no overflow);  silu(z) = z·σ(z).
-  Φ is evaluated as ½·erfc(−z/√2) from a Chebyshev fit of erfc (relative error < 1.2e-7, see ``_activation``).
-The epilogue runs on the float32 accumulator; y (and z, when the backward needs it) is rounded once to a's dtype.
-Backward of the activation (``matmul_act_bwd``), element-wise in float32:  dz = dy·act'(z) with
-  relu' = [not z ≤ 0];  gelu' = Φ(z) + z·φ(z);  gelu_tanh' = s + z·s·(1 − s)·2√(2/π)·(1 + 3·0.044715·z²), s = σ(2u);
-  silu' = s·(1 + z·(1 − s)), s = σ(z).
-The matmul parts of the backward (dz @ bᵀ, aᵀ @ dz) are this same forward on transposed views.
-
-Shapes: a [M, K] or [B, M, K]; b [K, N] or [B, K, N] (same B); bias [N] of any float dtype or None; y, z: [.., M, N]
-contiguous in a's dtype. a and b may be any strided views; when one of the last two strides is 1 (row-major, or a
-transposed view such as ``weight.t()``) they are read in place. Bytes for b-byte elements: reads M·K·b once per
-column tile of y and K·N·b once per row tile (L2 serves most repeats: tiles run in L2-swizzled groups of GROUP_M
-row tiles), writes M·N·b (twice with z). FLOPs: 2·B·M·N·K. The backward kernel reads dy and z and writes dz once.
+"""Matmul with a fused epilogue in hand-written Triton: the twin of ``hkernels/ops/matmul.py``, whose docstring
+gives the math (the activations and their derivatives), the shapes, the layouts read in place and the bytes moved.
+Here tiles run in L2-swizzled groups of GROUP_M row tiles; the backward kernel reads dy and z and writes dz once.
 
 Two kernels:
 - ``_matmul_tma_kernel`` (16-bit operands whose layouts suit TMA: 16-byte aligned base and strides, N a multiple
@@ -288,9 +273,9 @@ _CONFIGS = {
 
 
 def matmul_config(m: int, n: int, k: int, batch: int, dtype: torch.dtype, sms: int, tma: bool) -> MatmulConfig:
-    """Tile shape, warps and pipelining for B × [M, K] @ [K, N] of ``dtype`` on the H200 (sm_90, ``sms`` = 132).
+    """Tile shape, warps and pipelining for B × [M, K] @ [K, N] of ``dtype`` on sm_90 (``sms``: 132 on an H200).
 
-    Not yet measured there; chosen from what Hopper rewards and checked to compile without spills (cuobjdump):
+    Chosen from what Hopper rewards and checked to compile without spills (cuobjdump), not by a sweep:
     - class 4 (large M and N): 128×256×64 wgmma tiles, 8 warps (two warpgroups), 4 stages of 48 KB, the epilogue
       in four 128×64 column slices (16 KB of TMA staging: 208 KB of the 227 KB of shared memory; a whole-tile
       epilogue of gelu with z needs more than 255 registers a thread), tile and K loops flattened so that the

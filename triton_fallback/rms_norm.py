@@ -1,15 +1,8 @@
-"""RMS norm in hand-written Triton (the twin of ``hkernels/ops/rms_norm.py``).
+"""RMS norm in hand-written Triton: the twin of ``hkernels/ops/rms_norm.py``, whose docstring gives the math, the
+bytes moved and the optional residual and ds that serve ``add_rms_norm``.
 
-Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd · w.
-Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x·rstd.
-
-Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
-and x (2·M·N·b), writes dx (M·N·b) and a [programs, N] float32 partial of dw, which one more kernel
-(``_partials.sum_partials``) sums and casts to the weight's dtype.
-
-The kernels also serve ``add_rms_norm`` (residual add + RMS norm): the forward takes an optional residual (the
-row normalised is then s = x + residual, rounded to x's dtype and written out) and the backward an optional ds
-(added to dx before the one rounding). When they are None the code is rms_norm's alone.
+The backward writes a [programs, N] float32 partial of dw, which one more kernel (``_partials.sum_partials``) sums
+and casts to the weight's dtype. Launch settings: ``_common.row_settings`` and ``persistent_bwd_settings``.
 """
 
 from __future__ import annotations

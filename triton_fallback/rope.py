@@ -1,19 +1,8 @@
-"""Rotary position embedding (Hugging Face's rotate_half convention) in hand-written Triton (the twin of
-``hkernels/ops/rope.py``).
+"""Rotary position embedding (Hugging Face's rotate_half convention) in hand-written Triton: the twin of
+``hkernels/ops/rope.py``, whose docstring gives the math, the shapes and the bytes moved.
 
-Math, per head row x of D elements, x1 = x[:D/2], x2 = x[D/2:], and the same halves c1, c2 of cos and s1, s2 of sin
-at the row's (batch, position):
-    forward   y1 = x1·c1 − x2·s1,   y2 = x2·c2 + x1·s2      (= x·cos + rotate_half(x)·sin)
-    backward  dx1 = dy1·c1 + dy2·s2,  dx2 = dy2·c2 − dy1·s1  (the transposed map)
-The backward is the forward with (s1, s2) replaced by (−s2, −s1): one kernel serves both, a constexpr picks.
-
-Shapes: q [B, Hq, S, D], k [B, Hk, S, D] (any strides with unit stride along D, e.g. transposed views of
-[B, S, H, D] projections), cos and sin [Bc, S, D] contiguous with Bc = 1 (shared by the batch) or B.
-Bytes for T = B·S tokens of b-byte elements: reads and writes T·(Hq + Hk)·D·b each, plus the tables from memory
-once (2·T·D·bc bytes when Bc = B; one [S, D] pair when shared by the batch). A program is a block of tokens × a
-block of heads of q or of k, each tensor with its own block shape (k has fewer heads: 8 in Llama-3), so that
-both load 16-byte vectors. Each program reads its tokens' cos/sin; the other programs of those tokens re-read them
-from L2 (Llama-3 8B, float32 tables: 2 KB of table reads per token beside 20 KB of q and k traffic).
+A program is a block of tokens × a block of heads of q or of k, each tensor with its own block shape (``_tile_shape``),
+and reads its tokens' cos/sin; the other programs of those tokens re-read them from L2.
 """
 
 from __future__ import annotations
@@ -99,9 +88,8 @@ def _rope_kernel(
                    stride_cb, HALF, BACKWARD, BLOCK_SK, BLOCK_HK, BLOCK_HALF)
 
 
-# Elements of x per program (both halves) and warps: 2 KB of 16-bit data, 4 elements per thread per load. The tune
-# command's search on the H200 (GPU time, bf16, 4096/16384 tokens x Llama-3 8B/70B heads): 1024 elements and 4 warps
-# took 0.98x the time of the former 4096 (geometric mean; 0.92x at 4096 tokens of 8B, equal at the others).
+# Elements of x per program (both halves) and warps: 2 KB of 16-bit data, 4 elements per thread per load; the best
+# of the tune command's search over Llama-3 8B/70B heads (see bench/results/h200/README.md).
 TILE_ELEMENTS = 1024
 TILE_WARPS = 4
 

@@ -1,10 +1,5 @@
-"""Softmax over the last dim in hand-written Triton (the twin of ``hkernels/ops/softmax.py``).
-
-Math, per row:  y = exp(x − max x) / Σ exp(x − max x).  Backward:  dx = y·(dy − Σ dy·y).
-
-Bytes for x: [M, N] of b-byte elements: forward reads and writes M·N·b; backward reads dy and y, writes dx. Long
-rows (beyond one block of registers) are read twice: pass 1 keeps an online (max, sum) per row, rescaling
-the sum when the max grows (one exp per element), pass 2 writes.
+"""Softmax over the last dim in hand-written Triton: the twin of ``hkernels/ops/softmax.py``, whose docstring gives
+the math, the bytes moved and the two passes over long rows. Launch settings: ``_common.row_settings``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""SwiGLU in hand-written Triton (the twin of ``hkernels/ops/swiglu.py``).
-
-Math, element-wise over gate g and up u:  y = silu(g)·u = g·σ(g)·u.
-Backward:  dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),  du = dy·g·σ(g).
-
-Shapes: gate, up, dy: [M, N] with unit column stride and any row stride (e.g. the two halves of a [M, 2N]
-projection); outputs are contiguous [M, N] in gate's dtype. Bytes for b-byte elements: forward reads 2·M·N·b and
-writes M·N·b; backward reads 3·M·N·b and writes 2·M·N·b. Nothing is read twice.
+"""SwiGLU in hand-written Triton: the twin of ``hkernels/ops/swiglu.py``, whose docstring gives the math, the shapes
+and the bytes moved.
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of a flat grid, column blocks fastest: consecutive programs stream
 consecutive memory of a row, row offsets are 64-bit (M·N and a view's span may pass 2^31 elements), and a tile of
@@ -88,11 +82,10 @@ class LaunchSettings:
 def launch_settings(M: int, N: int, device: torch.device, elements: int = 2048) -> LaunchSettings:
     """Tile shape, warps and grid for an element-wise kernel over [M, N] with about ``elements`` per program.
 
-    Measured on the H200 (bf16, [16384, 14336] and [16384, 28672] halves of a [M, 2N] projection, 13 tile shapes
-    from 1024 to 8192 elements with 4-16 warps): 2048 elements with 4 warps was best or within 1% of best for
-    every kernel of swiglu and geglu; forward and backward move ~4.3 TB/s (the GPU's copy rate), the erf form
-    of the geglu forward ~3.9 TB/s. Column blocks are powers of two that divide N where one does (no
-    half-empty last block); short rows stack several rows per tile. Small inputs take smaller tiles, so that
+    2048 elements with 4 warps: the best, or within 1% of it, for every kernel of swiglu and geglu among tile shapes
+    of 1024-8192 elements and 4-16 warps, at the copy rate of the GPU (see bench/results/h200/README.md). Column
+    blocks are powers of two that divide N where one does (no half-empty last block); short rows stack several rows
+    per tile. Small inputs take smaller tiles, so that
     even one row (a decoding step) spreads over a few programs per multiprocessor instead of a handful.
     """
     if interpreting():

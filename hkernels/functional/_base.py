@@ -414,8 +414,11 @@ def check_param(op: str, name: str, p: Any, x: Tensor) -> None:
 
 
 def check_eps(op: str, eps: Any) -> None:
+    """eps keeps 1/sqrt(variance + eps) finite on a constant (or zero) row: it must be a finite number > 0."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise TypeError(f"hkernels.{op}: eps must be a float, got {type(eps).__name__}")
+    if not (0 < eps < math.inf):  # (NaN fails every comparison)
+        raise ValueError(f"hkernels.{op}: eps must be a finite number greater than 0, got {eps!r}")
 
 
 def check_tensor(op: str, name: str, t: Any, dims: tuple[int, ...] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 The public function and its checks, its autograd (custom ops ``hkernels::fused_linear_cross_entropy_fwd`` and
 ``_grad``), then the reference math and the torch backend. The chunk loop every backend shares is
-``hkernels/_chunked.py``; the backends supply the cross-entropy kernel (``hkernels/ops/cross_entropy.py``,
+``triton_fallback/_chunked.py``; the backends supply the cross-entropy kernel (``hkernels/ops/cross_entropy.py``,
 ``triton_fallback/cross_entropy.py``).
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
+from hkernels.functional import cross_entropy as _cross_entropy
 from hkernels.functional._base import (
     Public,
     Tensor,
@@ -26,14 +27,13 @@ from hkernels.functional._base import (
 )
 from hkernels.functional.cross_entropy import (
     check_loss_args,
-    cross_entropy_bwd,
-    cross_entropy_fwd,
     loss_grad_scale_,
     loss_like,
     loss_scale,
     reduce,
 )
 from hkernels.functional.cross_entropy import reference as cross_entropy_reference
+from triton_fallback import _chunked
 
 OP = "fused_linear_cross_entropy"
 
@@ -178,27 +178,8 @@ def reference(
                                    label_smoothing)
 
 
-def fused_linear_cross_entropy_fwd(
-    hidden: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Tensor | None,
-    scale: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    with_grad: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Chunked over tokens (the [T, V] logits never exist at once); see hkernels/_chunked.py."""
-    from hkernels import _chunked
-
-    return _chunked.linear_cross_entropy(
-        hidden, weight, target, bias, scale, ignore_index, label_smoothing, with_grad, cross_entropy_fwd
-    )
-
-
-def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
-    """grad [R, C] *= dloss [R], in place."""
-    return cross_entropy_bwd(dloss, grad)
+# The torch backend: the shared chunk loop around the reference cross-entropy (the [T, V] logits never exist at once).
+fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(_cross_entropy)
 
 
 _CALLS = Public(OP, _check, _body)

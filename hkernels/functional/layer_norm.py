@@ -84,7 +84,7 @@ def _bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean
     if x.shape[-1] == 1:
         # Rows of one element: x̂ = 0 and dx = rstd·(w·dy − mean(w·dy)) is exactly 0 (NaN where an input is not
         # finite). The kernels' GPU code fuses w·dy into the subtraction of its own rounded mean, and rstd = 1/√eps
-        # scales that rounding (3.6e-5 in float32 on the H200). Written out here.
+        # scales that rounding up (to ~1e-5 in float32). Written out here.
         wdy = dy.float() if weight is None else dy.float() * weight.float()
         dx = ((wdy - wdy) + (x.float() - x.float())).to(dx.dtype).reshape(dx.shape)
     return dx, dw if dw is not None else placeholder(x), db if db is not None else placeholder(x)

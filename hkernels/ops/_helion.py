@@ -19,12 +19,15 @@ import torch
 
 from hkernels import _interpret, configs
 from triton_fallback import _plan
-from triton_fallback._launch import INTERPRET_LOCK, bound_launcher, helion_launcher
+from triton_fallback._common import interpreting, num_sms
+from triton_fallback._launch import bound_launcher, helion_launcher, interpreted
+
+_interpret.prepare_helion()  # interpret mode: Helion's generated code mended for Triton's interpreter
 
 
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
-        return "interpret" if _interpret.enabled() else configs.DEFAULT_ARCH
+        return "interpret" if interpreting() else configs.DEFAULT_ARCH
     return configs.cuda_arch(device)
 
 
@@ -49,7 +52,7 @@ def config_for(kernel: str, n: int, device: torch.device, dtype: torch.dtype = t
     """The shipped config of ``kernel`` for rows of ``n`` elements of ``dtype`` on ``device``.
 
     A bucket may name ``dtypes`` it is for: pipelined configs that fit shared memory for 16-bit rows may not for
-    float32 ones (seen on the H200: rms_norm backward at N=8192, float32, asked 320 KB of 227).
+    float32 ones (twice the bytes per stage: rms_norm's backward at N = 8192 would ask more than sm90 has).
     """
     return _config(arch_of(device), kernel, n, dtype)
 
@@ -77,8 +80,8 @@ def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
 # Compiled kernels by exact call signature: (kernel, n, which tensor arguments are one object, then per argument
 # its dtype, device, sizes and strides, or its type and value). Finer than Helion's own binding key (which buckets
 # sizes), so a hit is always the compiled function Helion's bind would have given; it skips bind's per-call work
-# (locks, key building, guards: 50-150 µs per call measured on the H200 host at decode shapes). Bounded: cleared
-# when full.
+# (locks, key building, guards: more host time than a decode-size kernel; see bench/results/h200/README.md).
+# Bounded: cleared when full.
 _compiled: dict[tuple[Any, ...], Any] = {}
 _COMPILED_MAX = 4096
 
@@ -92,9 +95,9 @@ def _arg_key(a: Any) -> Any:
 def _aliases(args: tuple[Any, ...]) -> tuple[int, ...] | None:
     """Which tensor arguments are one object (per tensor, the position of its first occurrence), or None when all
     are distinct: Helion binds an aliased call apart (its code may read and write through one pointer), so the
-    key must tell them apart too. Found on the H200: the linear-CE chunk path runs the cross-entropy kernel in
-    place (grad is logits); a later cross_entropy call with a separate gradient buffer of the same shapes reused
-    that compiled function, wrote the gradient into the caller's logits and left its own gradient unwritten."""
+    key must tell them apart too: the linear-CE chunk loop runs the cross-entropy kernel in place (grad is
+    logits), and a cross_entropy call with a separate gradient buffer of the same shapes must not reuse that
+    compiled function (it would write the gradient into the caller's logits and leave its own unwritten)."""
     ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
     if len(set(ids)) == len(ids):
         return None
@@ -129,7 +132,7 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
         _plan.keep(kernel, fn)
     if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
         return fn(*args, _launcher=helion_launcher)
-    with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+    with interpreted():  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
         return fn(*args)
 
 
@@ -170,15 +173,10 @@ def forget() -> None:
     configs.reload()
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs(device: torch.device, per_sm: int) -> int:
     if device.type != "cuda":
         return 4  # interpret mode: a few programs, enough to exercise the persistent loop
-    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * num_sms(device)
 
 
 def rows_per_program(m: int, device: torch.device, per_sm: int = 2) -> int:
@@ -197,7 +195,7 @@ def pad_single_row(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Pad one-row inputs of a kernel that sums over rows to two rows of zeros' worth.
 
     Helion 1.5.0 specialises a size-1 dim to a broadcast and then drops the row mask of a multi-row tile over
-    it, so a sum over that tile's rows counts row 0 once per tile row (seen: dw 16× too large for M = 1). With a
+    it, so a sum over that tile's rows counts row 0 once per tile row (dw 16× too large for M = 1). With a
     second, all-zero row the row dim is dynamic again; zeros add nothing to the sums, and callers slice row 0.
     """
     return tuple(torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) for t in tensors)

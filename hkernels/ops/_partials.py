@@ -20,8 +20,8 @@ Tensor = torch.Tensor
 @helion.kernel(static_shapes=False)
 def _sum_partials(part: Tensor, param: Tensor) -> Tensor:
     # part: [P, N] float32 -> [N] in param's dtype. Reads each column block of every partial row once; a
-    # [block_p, tile_n] block is accumulated and summed across rows once at the end (a cross-row sum per step
-    # measured no faster than the two-kernel sum on the H200).
+    # [block_p, tile_n] block is accumulated and summed across rows once at the end (a cross-row sum per step is
+    # no faster: see bench/results/h200/README.md).
     p, n = part.size()
     out = torch.empty([n], dtype=param.dtype, device=part.device)
     block_p = hl.register_block_size(p)

@@ -39,8 +39,8 @@ class _Renamed:
 
     @property
     def settings(self) -> Any:
-        """The kernel's Helion settings (the tune command seeds and bounds its search through them; found missing
-        on the H200, where ``python -m hkernels.tune --ops add_rms_norm`` failed with an AttributeError)."""
+        """The kernel's Helion settings: the tune command seeds and bounds its search through them, as for every
+        Helion kernel."""
         return self.kernel.settings
 
 

@@ -104,7 +104,7 @@ def _attention_fwd(
             else:
                 # Keys past Skv: Helion masks the reductions but not the dot, and their score 0 (zero rows) gives
                 # p = exp2(−m·qk_scale) = inf once every real score of a row is below about −88, then inf·0 = NaN
-                # in p·v (found by the fuzz tests with |q| ~ 1e3). Causal blocks never reach past a real query's key.
+                # in p·v (|q| ~ 1e3 is enough). Causal blocks never reach past a real query's key.
                 keep = tile_c.index[None, :] < skv
             sc = torch.where(keep, sc, float("-inf"))
             # Helion masks both reductions to the keys that exist. Key n_full <= every query of the tile, so the
@@ -127,7 +127,7 @@ def _attention_fwd(
 #   dv_j = Σ_i p_ij do_i,  dk_j = scale · Σ_i p_ij (dP_ij − δ_i) q_i   (i over every query head of the group)
 # Rows past the end load as zeros: their q and do are 0, so their p·do and dS·q terms vanish. Keys past the end load
 # as zeros too, but their p = exp2(−lse_i·log2 e) is inf where every real score of a row is below about −88, and
-# inf·0 = NaN in dS·k: dq masks them (found by the fuzz tests). dk, dv rows of such keys are never stored.
+# inf·0 = NaN in dS·k: dq masks them. dk, dv rows of such keys are never stored.
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _attention_bwd_dq(
     do: Tensor,
@@ -264,8 +264,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or not causal)
     if Skv == 1:
         # One key: its softmax weight p = exp(score − score) is 1, or NaN for a non-finite score (as PyTorch's
-        # softmax gives), so o = p·v and lse = the score (see the module docstring). Plain o = v was finite where
-        # PyTorch's is NaN: found on the H200 by the bad-input matrix (a NaN in q).
+        # softmax gives), so o = p·v and lse = the score (see the module docstring): o stays NaN where PyTorch's
+        # is (a NaN in q), which a plain o = v would not.
         kf = k.float().repeat_interleave(Hq // Hk, 1)
         score = (q.float() * kf).sum(-1, keepdim=True) * scale
         o = (torch.exp(score - score) * v.float().repeat_interleave(Hq // Hk, 1)).to(q.dtype)
@@ -298,8 +298,8 @@ def attention_bwd(
     if Skv == 1:
         # One key: its softmax weight p = exp(score − lse) is 1 (NaN for a non-finite score), so dS = p·(do·v − do·o)
         # is 0 and dv sums p·do over the group's queries; written out, no kernel. (Through the kernels, a zero
-        # second key row got p = exp2(−lse·log2 e), inf once the scores are large and negative, and inf·0 = NaN in
-        # dq: found by the fuzz tests.)
+        # second key row would get p = exp2(−lse·log2 e), inf once the scores are large and negative, and
+        # inf·0 = NaN in dq.)
         group = Hq // Hk
         kf, vf = (t.float().repeat_interleave(group, 1) for t in (k, v))
         p = torch.exp((q.float() * kf).sum(-1, keepdim=True) * scale - lse.unsqueeze(-1))

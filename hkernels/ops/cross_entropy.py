@@ -5,12 +5,13 @@ Math, per row of V logits x with target t and label smoothing ε (rows with t = 
     ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
 A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
 
-The forward, asked for the gradient, writes it in the same call (scaled per row): pass 1 reads the row with an
-online (max, sum), pass 2 reads it again and writes the gradient (on the H200 it mostly misses L2: the sweep of
-python -m bench.sweep_llm found a flat grid of 16384-wide blocks and 16 warps fastest, 44-47% of copy counting one
-read and one write; persistent grids that keep fewer rows in flight were slower).
-The backward scales the stored gradient in place and skips
-rows whose factor is exactly 1. Row counts are dynamic; V is specialised.
+The forward, asked for the gradient, writes it in the same call (scaled per row, e.g. by 1/valid rows for a
+mean): pass 1 reads the row once with an online (max, sum); pass 2 reads it again and writes the gradient. At
+vocabulary sizes pass 2 mostly reads from memory, not L2 (the rows in flight no longer fit there by then), so a
+forward with the gradient moves about 1.5× one read and one write of [T, V]; the configs take a flat grid of
+wide blocks (see bench/results/h200/README.md). The backward then only scales the stored gradient by the
+upstream gradient, in place, and skips rows whose factor is exactly 1 (the usual ``loss.backward()``), so it
+moves nothing in the common case. Row counts are dynamic; V is specialised.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ def _cross_entropy_fwd(
             x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
         lse = row_max + torch.log(row_sum)
         # Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it 0·(-inf) = NaN
-        # where PyTorch's loss is finite or +inf (found by the fuzz tests).
+        # where PyTorch's loss is finite or +inf.
         # Differences before scaling, as PyTorch's (1−ε)·(−log p_t) + ε·mean(−log p): lse − x_t cancels exactly where
-        # it should (one logit: 0), where lse − (1−ε)·x_t − ε·mean(x) left an error of an ulp of |x| (found on the
-        # H200 by the fuzz tests: large logits, V = 1).
+        # it should (one logit: 0), where lse − (1−ε)·x_t − ε·mean(x) would leave an error of an ulp of |x| (large
+        # logits, V = 1).
         smoothed = (hl.zeros([tile_t], dtype=torch.float32) + smoothing) != 0.0
         row_loss = (1.0 - smoothing) * (lse - x_t) + torch.where(smoothed, smoothing * (lse - x_sum / v), 0.0)
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)

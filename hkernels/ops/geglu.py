@@ -5,9 +5,9 @@ Math, element-wise over gate g and up u:  y = gelu(g)·u, with gelu in one of to
   approximate="none":  gelu(g) = ½·g·(1 + erf(g/√2)) = g·Φ(g)
 (½·(1 + tanh z) = σ(2z) exactly, which needs no tanh and cannot overflow: σ(2z) → 0 or 1 at large |g|).
 For 16-bit inputs Φ comes from a cheaper form than erf (see ``P, A1..A5``): libdevice's erf costs ~40 instructions
-per element, which left the bf16 forward bound by instruction issue (H200: 3.3 TB/s against a copy's 4.3; the
-cheaper form 3.8-4.0); its error (≤ 3e-7 absolute) is far below a 16-bit ulp. float32 keeps erf: at 4 bytes an
-element there is time for it.
+per element, which leaves the bf16 forward bound by instruction issue, well below the copy rate (see
+bench/results/h200/README.md); the cheaper form's error (≤ 3e-7 absolute) is far below a 16-bit ulp. float32 keeps
+erf: at 4 bytes an element there is time for it.
 Backward:  dg = dy·u·gelu'(g),  du = dy·gelu(g), with the exact derivative of the chosen form.
 
 Shapes: gate, up, dy: [M, N] with unit column stride and any row stride; outputs are contiguous [M, N] in gate's

@@ -30,9 +30,9 @@ Configs (``hkernels/configs/<arch>/matmul.json``): the buckets of ``_matmul_fwd`
 2: 64×128, 3: 128×128, 4: 128×256 tiles that still makes about one full wave over the GPU's multiprocessors (a
 cue, not a rule: each bucket's config picks its own tiles). path 0 is the fast path (16-bit operands that TMA can
 read and write, a light epilogue); path 1 caps the tile at 128×128, for the gelu epilogue that also writes z (at
-128×256 it spilled 64-184 bytes a thread on sm_90: 255 registers are not enough for the float32 tile, its
+128×256 it spills 64-184 bytes a thread on sm_90: 255 registers are not enough for the float32 tile, its
 activation and two TMA stores) and for operands Helion cannot move through TMA (pointer loads of a 128×256 tile
-spilled too); path 2 is the int64 twin, whose Helion code loads through pointers (no descriptors with 64-bit
+spill too); path 2 is the int64 twin, whose Helion code loads through pointers (no descriptors with 64-bit
 indices) and takes 128×128×32 tiles. The first bucket whose ``max_n`` covers the key wins, as for the other ops.
 K does not choose the config. float32 inputs have their own buckets (IEEE float32 products run on FMA units, not
 tensor cores: small tiles). The element-wise ``_matmul_act_bwd`` is bucketed by N, as the swiglu kernels.
@@ -40,17 +40,15 @@ tensor cores: small tiles). The element-wise ``_matmul_act_bwd`` is bucketed by 
 
 from __future__ import annotations
 
-import functools
-
 import helion
 import helion.language as hl
 import torch
 
-from hkernels import _interpret
 from hkernels.functional.matmul import activate
 from hkernels.ops import _helion
 from hkernels.ops.swiglu import bind as bind_elementwise
 from hkernels.ops.swiglu import int64_twin
+from triton_fallback._common import interpreting, num_sms
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -119,7 +117,7 @@ def _matmul_fwd(
                 acc = hl.dot(a[tile_b.begin, tile_m, tile_k], b[tile_b.begin, tile_k, tile_n], acc=acc)
         if bias is not None:
             acc = acc + bias[tile_n].to(torch.float32)[None, :]
-        # y before z: fewer registers for the gelu epilogue (sm_90, 128×256 tiles: z first spilled 1.6 KB a thread,
+        # y before z: fewer registers for the gelu epilogue (sm_90, 128×256 tiles: z first spills 1.6 KB a thread,
         # y first 64-184 bytes; that epilogue takes 128×128 tiles, which do not spill)
         y[tile_b.begin, tile_m, tile_n] = _activation(acc, activation).to(y.dtype)
         if z is not None:
@@ -197,18 +195,6 @@ def bucket_key(m: int, n: int, batch: int, sms: int, path: int) -> int:
     return 10 * path + tile_class(m, n, batch, sms)
 
 
-@functools.lru_cache(maxsize=8)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    # the key's wave count is for the GPU at hand; the interpreter's single bucket does not depend on it
-    if device.type != "cuda":
-        return 132
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _span(t: Tensor) -> int:
     # elements from the first to one past the last that a view can touch
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 0)
@@ -263,7 +249,7 @@ def matmul_fwd(
             z.copy_(pre)
         return y.view(out_shape), None if z is None else z.view(out_shape)
     # Helion 1.5.0 specialises a size-1 dim of an output to a broadcast and then stores every row (column) of a
-    # tile to the one address (seen: M = 1 gave row 0 the value of a masked-off row). M or N of 1 is padded to 2
+    # tile to the one address (M = 1 would give row 0 the value of a masked-off row). M or N of 1 is padded to 2
     # with zeros, a copy of K elements per batch; the extra row (column) of y is computed and dropped.
     pad_m, pad_n = m == 1, n == 1
     if pad_m:
@@ -285,8 +271,8 @@ def matmul_fwd(
         path = 1
     else:
         path = 0
-    upcast = _interpret.enabled() and a.dtype == torch.bfloat16
-    key = bucket_key(m, n, nb, _sm_count(a.device), path)
+    upcast = interpreting() and a.dtype == torch.bfloat16
+    key = bucket_key(m, n, nb, num_sms(a.device), path)  # the wave count of the GPU at hand
     _helion.run(_FWD_WIDE if wide else _matmul_fwd, (a3, b3, bias, y_run, z_run, activation, upcast), key, a.device)
     if y_run is not y:
         y.copy_(y_run[:, :m, :n])

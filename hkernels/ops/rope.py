@@ -30,7 +30,7 @@ import torch
 
 from hkernels.ops import _helion
 from triton_fallback import _plan
-from triton_fallback._launch import INTERPRET_LOCK, helion_launcher
+from triton_fallback._launch import helion_launcher, interpreted
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -98,7 +98,7 @@ def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
     if device.type == "cuda":
         fn(*args, _launcher=helion_launcher)
     else:
-        with INTERPRET_LOCK:  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+        with interpreted():  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
             fn(*args)
 
 
@@ -113,8 +113,8 @@ def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Cal
     fn = _COMPILED.get(key)
     if fn is None:
         # Helion 1.5.0 takes a dim of size 1 for a broadcast and drops its mask and stride from the stores: every
-        # lane of a larger block over it would write the one row (seen: wrong results with one position, and with
-        # one head of k as in multi-query attention). So a block over a dim of size 1 is made 1.
+        # lane of a larger block over it would write the one row (one position; one head of k, as in multi-query
+        # attention). So a block over a dim of size 1 is made 1.
         q5, k5 = tensors[0], tensors[1]
         sizes = [q5.shape[2], q5.shape[1], k5.shape[2], k5.shape[1]]
         blocks = [1 if size == 1 else block for size, block in zip(sizes, config.block_sizes, strict=True)]
@@ -146,8 +146,8 @@ def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool
     c4, s4 = (t.contiguous().unflatten(-1, (2, half)).expand(B, S, 2, half) for t in (cos, sin))
     if half == 1:
         # Head dim 2: Helion 1.5.0's code for halves of one element does not compile when Triton also specialises
-        # every other size to 1 (it stores a [1, 1, 1, 1] block reshaped to a scalar; seen on the H200). Each
-        # half is seen as two lanes over one element (stride 0): they load it twice and store one value twice.
+        # every other size to 1 (it stores a [1, 1, 1, 1] block reshaped to a scalar). Each half is seen as two
+        # lanes over one element (stride 0): they load it twice and store one value twice.
         q5, k5, qo5, ko5, c4, s4 = (t.expand(*t.shape[:-1], 2) for t in (q5, k5, qo5, ko5, c4, s4))
     if S < B:
         # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two

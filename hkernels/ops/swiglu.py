@@ -8,11 +8,11 @@ projection); outputs are contiguous [M, N] in gate's dtype. Bytes for b-byte ele
 writes M·N·b; backward reads 3·M·N·b and writes 2·M·N·b. Nothing is read twice.
 
 Kernels tile [M, N] with the config's ``block_sizes = [rows, columns]`` (``hkernels/configs``, see ``_helion.py``);
-the shipped H200 configs walk column blocks fastest (``loop_orders=[[1, 0]]``: consecutive programs stream a row,
-+5% over rows-fastest as measured) with 2048-element tiles. Row counts are dynamic (one compile serves every token
-count); N is specialised, so a column block that divides N needs no mask. Helion picks 64-bit indices from a
-tensor's element count, but a column-slice view spans more memory than it holds: ``run`` takes the int64 twin of a
-kernel when a row offset can pass 2^31. ``geglu.py`` shares ``run``.
+the shipped sm90 configs walk column blocks fastest (``loop_orders=[[1, 0]]``: consecutive programs stream a row;
+faster than rows-fastest, see bench/results/h200/README.md) with 2048-element tiles. Row counts are dynamic (one
+compile serves every token count); N is specialised, so a column block that divides N needs no mask. Helion picks
+64-bit indices from a tensor's element count, but a column-slice view spans more memory than it holds: ``run``
+takes the int64 twin of a kernel when a row offset can pass 2^31. ``geglu.py`` shares ``run``.
 """
 
 from __future__ import annotations

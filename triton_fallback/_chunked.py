@@ -5,7 +5,8 @@ kernel reads it and, when gradients are wanted, overwrites it with ∂loss/∂lo
 1/valid tokens for a mean); then grad_hidden_c = dlogits @ weight, grad_weight += dlogitsᵀ @ hidden_c and
 grad_bias += Σ dlogits. Only one chunk's logits exist at a time, so the extra memory is the gradients themselves
 plus C·V elements, against T·V (and their float32 softmax) for the unfused ops. The matmuls are PyTorch's (cuBLAS);
-the backend supplies the cross-entropy kernel.
+the backend supplies the cross-entropy kernel: each backend's ``fused_linear_cross_entropy_fwd`` / ``_bwd`` are
+:func:`backend_functions` of its cross-entropy module. Torch-only (no Triton), so the torch backend shares it too.
 
 grad_weight accumulates in weight's dtype (a float32 accumulator would cost another 4·V·H bytes): every chunk's
 addmm sums in float32 inside cuBLAS and rounds once, so a 16-bit weight gets ⌈T/C⌉ roundings instead of one.
@@ -14,6 +15,8 @@ addmm sums in float32 inside cuBLAS and rounds once, so a 16-bit weight gets ⌈
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,3 +75,31 @@ def linear_cross_entropy(
         assert bias is not None
         grad_bias = grad_bias.to(bias.dtype)
     return loss, grad_hidden, grad_weight, grad_bias
+
+
+def backend_functions(cross_entropy: ModuleType) -> tuple[Callable[..., Any], Callable[..., Tensor]]:
+    """``(fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd)`` of a backend whose cross-entropy kernels
+    are ``cross_entropy.cross_entropy_fwd`` / ``cross_entropy_bwd`` (looked up per call, so a replaced module
+    attribute takes effect)."""
+
+    def fused_linear_cross_entropy_fwd(
+        hidden: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        bias: Tensor | None,
+        scale: Tensor,
+        ignore_index: int,
+        label_smoothing: float,
+        with_grad: bool,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """hidden [T, H], weight [V, H], target [T], bias [V] or None, scale [T] float32 -> (loss [T] float32,
+        grad_hidden, grad_weight, grad_bias: the gradients of Σ scale·loss, or None unless ``with_grad``)."""
+        return linear_cross_entropy(hidden, weight, target, bias, scale, ignore_index, label_smoothing, with_grad,
+                                    cross_entropy.cross_entropy_fwd)
+
+    def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
+        """grad [R, C] *= dloss [R] in place (rows with factor 1 untouched): scales the gradients the forward
+        made."""
+        return cross_entropy.cross_entropy_bwd(dloss, grad)
+
+    return fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd

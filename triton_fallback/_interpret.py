@@ -1,0 +1,109 @@
+"""Interpret mode: ``HKERNELS_INTERPRET=1`` runs the kernels on CPU tensors in Triton's interpreter.
+
+The one reader of the variable (``hkernels._interpret.enabled()`` asks :func:`requested`). ``triton.jit`` decides
+between compiling and interpreting when it decorates a function: Triton's own ``triton.language`` helpers when
+``triton`` is imported, each kernel when its module is imported. So the mode is fixed when this module is first
+imported (``import triton_fallback``, which ``import hkernels`` does): in interpret mode it sets
+``TRITON_INTERPRET=1`` for the process then, and :func:`interpreting` gives that decision from then on. A process
+that asks for interpret mode later, or that imported ``triton`` before asking, cannot interpret its kernels:
+:func:`problem` says why, for the caller to raise.
+
+The interpreter differs from a GPU in two places that change results, both mended by :func:`mend` (interpret mode
+only, before the first interpreted launch):
+- it converts float32 to bfloat16 by truncating the mantissa, where the GPU rounds to nearest even: the
+  conversion is routed through PyTorch's, which rounds as the GPU does;
+- it keeps bfloat16 as raw uint16 bits and ``tl.dot`` multiplies those bits as integers: both operands are widened
+  to float32 first (exact: a bfloat16 is the high half of a float32), which gives the GPU's products (a bf16 MMA
+  multiplies exactly and accumulates in float32).
+
+Torch-free at import: importable by every layer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+
+def env_true(name: str) -> bool:
+    """The environment variable ``name`` says yes (1, true, yes, on; any case)."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def requested() -> bool:
+    """``HKERNELS_INTERPRET`` asks for interpret mode now (read at each call)."""
+    return env_true("HKERNELS_INTERPRET")
+
+
+# What this process was at import, which decides how its kernels are decorated.
+_ASKED_AT_IMPORT = requested()
+# triton imported before interpret mode was set up: its own jit helpers are compiled-mode functions, which an
+# interpreted kernel cannot call.
+_TRITON_BEFORE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "") != "1"
+if _ASKED_AT_IMPORT:
+    os.environ["TRITON_INTERPRET"] = "1"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def interpreting() -> bool:
+    """The kernels of this process run in Triton's interpreter (``TRITON_INTERPRET=1`` when this package was
+    imported)."""
+    return _INTERPRETED
+
+
+def problem() -> str | None:
+    """Why interpret mode, asked for now, cannot run in this process; None when it can or is not asked for."""
+    if not requested():
+        return None
+    if not _ASKED_AT_IMPORT:
+        what = "HKERNELS_INTERPRET=1 was set after hkernels (or triton_fallback) was imported"
+    elif _TRITON_BEFORE:
+        what = "triton was imported before HKERNELS_INTERPRET=1 took effect"
+    else:
+        return None
+    return (
+        f"{what}: Triton decides between compiling and interpreting a kernel when it is imported, so this "
+        "process's kernels cannot run in the interpreter. Set HKERNELS_INTERPRET=1 in the environment before "
+        "importing hkernels and triton (e.g. before starting Python), or unset it to run CPU tensors on the "
+        "torch backend"
+    )
+
+
+def mend() -> None:
+    """Make Triton's interpreter round and multiply bfloat16 as the GPU does (see the module docstring). Idempotent;
+    for interpret mode only."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if not getattr(builder.cast_impl, "_hkernels", False):
+        truncating = builder.cast_impl
+
+        def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+                bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
+            return truncating(self, src, dst_type)
+
+        cast_impl._hkernels = True  # type: ignore[attr-defined]
+        # the lambdas that route integer and float casts through cast_impl look it up on the instance: no change
+        builder.cast_impl = cast_impl  # type: ignore[method-assign]
+
+    if not getattr(builder.create_dot, "_hkernels", False):
+        integer_dot = builder.create_dot
+
+        def widen(x: Any) -> Any:
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            bits = np.ascontiguousarray(x.data).astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+        def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
+            return integer_dot(self, widen(a), widen(b), d, *args)
+
+        create_dot._hkernels = True  # type: ignore[attr-defined]
+        builder.create_dot = create_dot  # type: ignore[method-assign]
