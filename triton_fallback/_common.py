@@ -185,3 +185,15 @@ def persistent_bwd_settings(n: int, m: int) -> RowSettings:
 def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) -> int:
     """Programs for a persistent grid over ``work_items``: a couple per multiprocessor, never more than items."""
     return max(1, min(work_items, num_sms(device) * per_sm))
+
+
+def tile_class(m: int, n: int, batch: int, sms: int) -> int:
+    """The matmul tile class, shared by both backends (Triton's configs, Helion's config keys): 0 for decode rows
+    (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that still gives about a full
+    wave (≥ 0.9·sms tiles), 1 when none does."""
+    if m <= 16:
+        return 0
+    for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):
+        if batch * -(-m // bm) * -(-n // bn) >= 0.9 * sms:
+            return cls
+    return 1

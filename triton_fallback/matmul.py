@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
+from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms, tile_class
 from triton_fallback._launch import Bound, launch
 from triton_fallback.geglu import _normal_cdf_fast
 from triton_fallback.swiglu import _tile, launch_settings
@@ -249,17 +249,6 @@ class MatmulConfig:
     subtile: int = 1  # TMA kernel: the epilogue stores 1, 2 or 4 column slices of the tile
     flatten: bool = False  # TMA kernel: flatten tile and K loops into one pipelined loop
     warp_specialize: bool = False  # TMA kernel: Triton's automatic warp specialization of the tile loop
-
-
-def tile_class(m: int, n: int, batch: int, sms: int) -> int:
-    """0 for decode rows (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that
-    still gives about a full wave (≥ 0.9·sms tiles), 1 when none does. Shared with the Helion configs' keys."""
-    if m <= 16:
-        return 0
-    for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):
-        if batch * -(-m // bm) * -(-n // bn) >= 0.9 * sms:
-            return cls
-    return 1
 
 
 # 16-bit inputs, per tile class; the pointer kernel takes at most class 3 (128×256 spills there: address tensors)

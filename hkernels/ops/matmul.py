@@ -48,7 +48,7 @@ from hkernels.functional.matmul import activate
 from hkernels.ops import _helion
 from hkernels.ops.swiglu import bind as bind_elementwise
 from hkernels.ops.swiglu import int64_twin
-from triton_fallback._common import interpreting, num_sms
+from triton_fallback._common import interpreting, num_sms, tile_class
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -165,17 +165,6 @@ def _matmul_act_bwd(dy: Tensor, z: Tensor, activation: hl.constexpr, fast_cdf: h
 
 _FWD_WIDE = helion.kernel(_matmul_fwd.fn, static_shapes=False, dot_precision="ieee", index_dtype=torch.int64)
 _BWD_WIDE = {_matmul_act_bwd.name: int64_twin(_matmul_act_bwd)}
-
-
-def tile_class(m: int, n: int, batch: int, sms: int) -> int:
-    """0 for decode rows (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that
-    still gives about a full wave (≥ 0.9·sms tiles), 1 when none does (as the Triton twin's ``tile_class``)."""
-    if m <= 16:
-        return 0
-    for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):
-        if batch * -(-m // bm) * -(-n // bn) >= 0.9 * sms:
-            return cls
-    return 1
 
 
 def _tma_ready(t: Tensor) -> bool:
