@@ -273,6 +273,24 @@ def test_triton_linear_loss_in_place_x_target(order, device, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_losses_of_leaves_that_hold_a_gradient(backend, device):
+    """A leaf whose ``.grad`` is already set (a second step without zero_grad) on the custom-op path (a device
+    mode is active): Helion's binding must trace sizes to the input, never to its ``.grad`` of the same shape."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g).to(device).requires_grad_()
+    logits.grad = torch.zeros_like(logits)
+    target = torch.randint(0, 40, (6,), generator=g).to(device)
+    with hkernels.use_backend(backend), torch.device(device):
+        loss = hkernels.cross_entropy(logits, target)
+        loss.backward()
+    ref = logits.detach().clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref, target)
+    want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
 def test_cross_entropy_after_the_linear_loss_keeps_its_logits(backend, device):
     """The linear-CE chunk path runs the cross-entropy kernel in place (its gradient written over the chunk's
     logits); a later cross_entropy call of the same shapes must not reuse that compiled Helion function (a cache

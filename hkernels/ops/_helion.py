@@ -146,7 +146,9 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
     if fn is None:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         config = config_for(kernel.name, n, device, dtype)
-        bound = kernel.bind(args)
+        # Bound on detached views: Helion traces sizes back to a source, and a leaf's ``.grad`` of the same shape can
+        # be the one it finds (hl.specialize then rejects it as not an input's size).
+        bound = kernel.bind(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
         per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
         fn = per_bound.get(config)
         if fn is None:
