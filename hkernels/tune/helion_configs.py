@@ -50,7 +50,7 @@ def tune_helion(case: Case, arch: str, out: Path, budget_s: int | None = None) -
         budget = f", budget {budget_s} s" if budget_s else ""
         say(f"  helion {i}/{len(seen)}: autotuning {name} at n={n} "
              f"({os.environ['HELION_AUTOTUNE_EFFORT']} effort{budget}, seeded with the shipped config)")
-        bound = kernel.bind(args)
+        bound = kernel.bind(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))  # see _helion
         shipped_bucket = _helion._bucket(arch, name, n, dtype)
         shipped = _helion._fit(helion.Config(**shipped_bucket["config"]), bound.config_spec.default_config())
         settings = kernel.settings
