@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hkernels.tune.timing import time_ms
+from triton_fallback._common import num_sms
 
 # Said in stdout and at the top of report.md when the kernels run in Triton's interpreter on a CPU.
 INTERPRETED = (
@@ -125,8 +126,7 @@ def environment(device: torch.device, command: str | None = None) -> dict[str, o
         "command": command or " ".join(["python -m bench", *sys.argv[1:]]),
     }
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env["sms"] = props.multi_processor_count
+        env["sms"] = num_sms(device)
         env["cuda"] = torch.version.cuda
         with contextlib.suppress(OSError):
             env["driver"] = subprocess.run(
