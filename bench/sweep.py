@@ -36,10 +36,7 @@ def _triton_families(x, w, dy, r, mean) -> Iterator[tuple[str, Callable[[], obje
         yield "triton rms_norm_fwd", lambda: tl_rms.rms_norm_fwd(x, w, 1e-6), fwd
         yield "triton layer_norm_fwd", lambda: tl_ln.layer_norm_fwd(x, w, w, 1e-5), fwd
         yield "triton softmax_fwd", lambda: tl_sm.softmax_fwd(x), fwd
-    else:
-        looped = [{"chunk": c, "warps": w_} for c, w_ in itertools.product((2048, 4096, 8192), (4, 8, 16))]
-        yield "triton softmax_fwd", lambda: tl_sm.softmax_fwd(x), looped
-        yield "triton softmax_bwd", lambda: tl_sm.softmax_bwd(dy, x), looped
+    else:  # long rows: softmax's split-row settings are searched by python -m bench sweep-llm
         return
     if n <= 8192:
         bwd = [
@@ -64,8 +61,6 @@ def _apply_triton(candidate: Candidate) -> Callable[[], None]:
     saved = [(m, m.row_settings, getattr(m, "persistent_programs", None)) for m in mods]
 
     def settings(n: int, m: int, backward: bool = False, **where: Any) -> common.RowSettings:  # (op, device)
-        if "chunk" in candidate:
-            return common.RowSettings(False, 1, candidate["chunk"], candidate["warps"])
         return common.RowSettings(
             True, candidate["block_m"], triton.next_power_of_2(n), candidate["warps"], candidate.get("stages", 3)
         )
@@ -98,13 +93,7 @@ def _helion_families(x, w, dy, r, mean) -> Iterator[tuple[str, Callable[[], obje
         yield "helion _rms_norm_fwd", lambda: h_rms.rms_norm_fwd(x, w, 1e-6), fwd
         yield "helion _layer_norm_fwd", lambda: h_ln.layer_norm_fwd(x, w, w, 1e-5), fwd
         yield "helion _softmax_fwd", lambda: h_sm.softmax_fwd(x), fwd
-    else:
-        sizes = itertools.product((2048, 4096, 8192), (4, 8, 16))
-        looped = [{"block_sizes": [1, c, c], "num_warps": w_} for c, w_ in sizes]
-        yield "helion _softmax_fwd_looped", lambda: h_sm.softmax_fwd(x), looped
-        bwd_looped = [{"block_sizes": [1], "num_warps": w_, "reduction_loops": [c]}
-                      for c, w_ in itertools.product((2048, 4096, 8192), (4, 8, 16))]
-        yield "helion _softmax_bwd", lambda: h_sm.softmax_bwd(dy, x), bwd_looped
+    else:  # long rows: softmax's split-row kernels (their chunk, lag and programs per SM live in the bucket)
         return
     if n <= 8192:
         bwd = [

@@ -1,7 +1,8 @@
 """python -m bench sweep-llm: time candidate launch settings of the LLM-op kernels on this GPU.
 
-The tool that the shipped settings of cross_entropy (Helion table, Triton _settings), the chunk length of
-fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings are chosen with.
+The tool that the shipped settings of cross_entropy (Helion table, Triton _settings), softmax's long rows, the chunk
+length of fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings are chosen
+with.
 bf16, Llama-3 shapes; it times the backend functions themselves (no dispatcher) with one candidate forced at a
 time, prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s
 ("tflops") in place of the memory-bound families' % of copy ("pct_copy").
@@ -69,6 +70,43 @@ def _triton_ce_xt(cand: Candidate) -> Callable[[], None]:
         ce.GRAD_XT = saved
 
     return undo
+
+
+def _triton_split_rows(cand: Candidate) -> Callable[[], None]:
+    """Softmax's long-row (split) settings: chunk, warps, programs per SM and lag, forward and backward."""
+    import triton_fallback.softmax as sm
+    from triton_fallback._common import RowSettings
+
+    saved = sm.SPLIT, sm.SPLIT_BWD, sm.SPLIT_LAG
+    sm.SPLIT = sm.SPLIT_BWD = RowSettings(False, 1, cand["block"], cand["warps"], programs_per_sm=cand["per_sm"])
+    sm.SPLIT_LAG = cand["lag"]
+
+    def undo() -> None:
+        sm.SPLIT, sm.SPLIT_BWD, sm.SPLIT_LAG = saved
+
+    return undo
+
+
+def _split_candidates() -> list[Candidate]:
+    return [
+        {"block": b, "warps": w, "lag": lag, "per_sm": p}
+        for (b, w), lag, p in itertools.product(((4096, 4), (8192, 8), (8192, 16), (16384, 16)), (1, 2), (2, 4, 8))
+        if w * p <= 32
+    ]
+
+
+def _softmax_long(m: int, n: int, device: torch.device) -> Iterator[Family]:
+    import triton_fallback.softmax as t_sm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, n, generator=g, device=device, dtype=torch.bfloat16) * 2
+    y = torch.softmax(x.float(), -1).to(x.dtype)
+    dy = torch.randn_like(x)
+    nbytes = 2 * x.numel() * x.element_size()
+    yield ("triton softmax fwd (split rows)", lambda: t_sm.softmax_fwd(x), nbytes, _split_candidates(),
+           _triton_split_rows)
+    yield ("triton softmax bwd (split rows)", lambda: t_sm.softmax_bwd(dy, y), nbytes * 3 // 2, _split_candidates(),
+           _triton_split_rows)
 
 
 def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
@@ -275,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str))
 
-    for t, v in ((8192, 128256), (4096, 262144)):
-        for family, fn, nbytes, candidates, apply in _cross_entropy(t, v, device):
+    memory_bound = [((t, v), _cross_entropy(t, v, device)) for t, v in ((8192, 128256), (4096, 262144))]
+    memory_bound.append(((4096, 128256), _softmax_long(4096, 128256, device)))
+    for (t, v), families in memory_bound:
+        for family, fn, nbytes, candidates, apply in families:
             if args.only not in family:
                 continue
             deadline = min(start + args.budget_s, time.time() + args.family_s)

@@ -329,3 +329,25 @@ def test_layer_norm_of_one_element_rows_has_zero_input_gradient(backend, device)
     assert torch.equal(dx[finite], torch.zeros_like(dx[finite])), f"{backend}: dx {dx[finite].tolist()}"
     assert torch.isnan(dx[3]).all()
     torch.testing.assert_close(db, dy.sum(0))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_softmax_split_rows_with_non_finite_values(backend, device):
+    # Rows longer than a block of registers are split across programs that exchange per-chunk statistics: a NaN, an
+    # +inf or a row of -inf in one chunk must give PyTorch's answer (and never stall the wait for that chunk).
+    n = 70001
+    x = torch.randn(5, n, device=device)
+    x[0, 40000] = float("nan")
+    x[1, 123] = float("inf")
+    x[2] = float("-inf")
+    x[3, 50000:] = float("-inf")
+    want = torch.softmax(x.double(), -1)
+    with hkernels.use_backend(backend):
+        got = hkernels.softmax(x, -1)
+    torch.testing.assert_close(got.double(), want, equal_nan=True, atol=1e-6, rtol=1e-5)
+    dy = torch.randn_like(x)
+    xr = x[3:].clone().requires_grad_()
+    with hkernels.use_backend(backend):
+        (g,) = torch.autograd.grad(hkernels.softmax(xr, -1), xr, dy[3:])
+    (want_g,) = torch.autograd.grad(torch.softmax(xr.double(), -1), xr, dy[3:].double())
+    torch.testing.assert_close(g.double(), want_g.double(), atol=1e-6, rtol=1e-5)

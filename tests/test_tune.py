@@ -178,6 +178,38 @@ def test_tune_helion_writes_a_tuned_config_only_where_it_beats_the_shipped_one(t
     assert json.loads(path.read_text())["_fake_fwd"][0]["config"] == {"num_warps": 8}
 
 
+def test_tune_helion_skips_split_row_kernels(tmp_path, monkeypatch):
+    """A split-row kernel's programs wait for each other: Helion's autotuner, which launches them neither
+    cooperatively nor with capped registers, must never run it."""
+    import contextlib
+
+    from hkernels.ops import _helion
+
+    class _SplitSettings:
+        def __init__(self) -> None:
+            self.autotune_config_overrides = {"pid_type": "flat"}
+
+    class _SplitKernel:
+        name, settings = "_fake_split", _SplitSettings()
+
+        def bind(self, args):
+            raise AssertionError("a split-row kernel was bound for autotuning")
+
+    @contextlib.contextmanager
+    def record():
+        yield [(_SplitKernel(), (torch.randn(4, 64),), 64)]
+
+    class Case:
+        name, op = "fake 4x64 bfloat16", "fake"
+
+        def forward_backward(self):
+            return None
+
+    monkeypatch.setattr(_helion, "record", record)
+    (line,) = helion_configs.tune_helion(Case(), "sm90", tmp_path, budget_s=30)
+    assert "not autotuned" in line and "shipped config kept" in line and not (tmp_path / "helion").exists()
+
+
 def test_tune_helion_reaches_a_renamed_kernel(tmp_path, monkeypatch):
     """add_rms_norm's kernels are rms_norm's under other names (``_Renamed``): the tune command reaches their
     ``settings`` through the wrapper."""

@@ -1,10 +1,10 @@
 """Cross-entropy over a vocabulary in hand-written Triton: the twin of ``hkernels/ops/cross_entropy.py``, whose
 docstring gives the math, the two passes and the bytes moved.
 
-Here the forward is a persistent grid over rows (``_settings``). A split-row kernel that reads the logits once (a
-row's chunks held in registers by co-resident programs that combine their partial sums through an atomic count)
-is slower: its programs spend their time waiting for the row's other chunks with little in flight (see
-bench/results/h200/README.md).
+Here the forward is a persistent grid over rows (``_settings``). Split rows that read the logits from memory once
+(``triton_fallback/_split.py``, softmax's long rows) are no faster here: with the gradient they reach the same
+share of copy, and for the loss alone less, since each chunk's work waits on a dependent load of x[target] and on
+the row's other chunks (see bench/results/h200/README.md).
 """
 
 from __future__ import annotations

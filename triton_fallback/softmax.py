@@ -1,5 +1,7 @@
 """Softmax over the last dim in hand-written Triton: the twin of ``hkernels/ops/softmax.py``, whose docstring gives
-the math, the bytes moved and the two passes over long rows. Launch settings: ``_common.row_settings``.
+the math and the bytes moved. Rows that fit a block of registers are read once; longer rows are split into chunks
+(``triton_fallback/_split.py``): read once from memory, the second read of a chunk from L2. Launch settings:
+``_common.row_settings``.
 """
 
 from __future__ import annotations
@@ -10,10 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, row_settings
+from triton_fallback import _split
+from triton_fallback._common import RowSettings, cdiv, interpreting, next_pow2, row_settings
 from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
+
+# Long rows (triton_fallback/_split.py), phase 2 one step behind phase 1. Forward: chunks of 4096 elements, 4
+# warps, 8 programs per SM; backward (two inputs): chunks of 8192, 8 warps, 2 programs per SM. The fastest of
+# python -m bench sweep-llm's candidates (see bench/results/h200/README.md).
+SPLIT = RowSettings(False, 1, 4096, 4, programs_per_sm=8)
+SPLIT_BWD = RowSettings(False, 1, 8192, 8, programs_per_sm=2)
+SPLIT_LAG = 1
 
 
 @triton.jit
@@ -37,30 +47,52 @@ def _softmax_fwd_kernel(
 
 
 @triton.jit
-def _softmax_fwd_looped_kernel(
-    x_ptr, y_ptr,
-    N, stride_x, stride_y,
-    BLOCK_N: tl.constexpr,
+def _softmax_fwd_split_kernel(
+    x_ptr, y_ptr,  # [M, N] rows with unit column stride
+    slot_ptr,  # [M, C, 1] int64 slots, empty on entry: per chunk (max, Σ exp(x − max))
+    M, N, C, stride_x, stride_y, LAG,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # Long rows, one per program. Pass 1: online max and sum over chunks; pass 2: read again, write y.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    y_row = y_ptr + row * stride_y
-    row_max = tl.full([], -float("inf"), dtype=tl.float32)
-    row_sum = tl.full([], 0.0, dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(row_max, tl.max(x, axis=0))
-        # While every value seen is -inf, shift by 0 instead of -inf so no inf - inf = NaN enters the sum.
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        row_max = new_max
-    inv_sum = 1.0 / row_sum
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        tl.store(y_row + cols, (tl.exp(x - row_max) * inv_sum).to(y_ptr.dtype.element_ty), mask=cols < N)
+    # Long rows split into chunks (triton_fallback/_split.py): x read once from memory, y written once.
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_mine = tl.cdiv(M * C - pid, P)
+    lanes = tl.arange(0, BLOCK_N)
+    row = pid // C
+    cols = (pid - row * C) * BLOCK_N + lanes
+    x_next = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < N,
+                     other=-float("inf"), eviction_policy="evict_last")
+    for step in range(0, n_mine + LAG):
+        x = x_next
+        item = pid + tl.minimum(step + 1, n_mine - 1) * P  # past the last item: the last again (L2)
+        row = item // C
+        cols = (item - row * C) * BLOCK_N + lanes
+        x_next = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < N, other=-float("inf"),
+                         eviction_policy="evict_last")
+        if step < n_mine:  # phase 1: the chunk's max and Σ exp
+            item = pid + step * P
+            row = item // C
+            xf = x.to(tl.float32)
+            m = tl.max(xf, axis=0)
+            # A chunk of -inf only shifts by 0: no inf − inf = NaN in its sum.
+            _split.publish(slot_ptr + row.to(tl.int64) * C + (item - row * C), m,
+                           tl.sum(tl.exp(xf - tl.where(m == -float("inf"), 0.0, m)), axis=0))
+        if step >= LAG:  # phase 2: the chunk again (from L2), the row's max and sum from its slots, y out
+            item = pid + (step - LAG) * P
+            row = item // C
+            cols = (item - row * C) * BLOCK_N + lanes
+            row64 = row.to(tl.int64)
+            x = tl.load(x_ptr + row64 * stride_x + cols, mask=cols < N, other=-float("inf"),
+                        eviction_policy="evict_first")
+            p = slot_ptr + row64 * C
+            m_k, s_k = _split.collect(_split.look(p, C, 1, BLOCK_C), p, C, 1, BLOCK_C)
+            m_k = tl.where(tl.arange(0, BLOCK_C) < C, m_k, -float("inf"))
+            row_max = tl.max(m_k, axis=0)
+            shift = tl.where(row_max == -float("inf"), 0.0, row_max)
+            inv_sum = 1.0 / tl.sum(s_k * tl.exp(m_k - shift), axis=0)
+            y = tl.exp(x.to(tl.float32) - row_max) * inv_sum
+            tl.store(y_ptr + row64 * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N,
+                     eviction_policy="evict_first")
 
 
 @triton.jit
@@ -81,25 +113,51 @@ def _softmax_bwd_kernel(
 
 
 @triton.jit
-def _softmax_bwd_looped_kernel(
-    dy_ptr, y_ptr, dx_ptr,
-    N, stride_dy, stride_y, stride_dx,
-    BLOCK_N: tl.constexpr,
+def _softmax_bwd_split_kernel(
+    dy_ptr, y_ptr, dx_ptr,  # [M, N] rows with unit column stride
+    slot_ptr,  # [M, C, 1] int64 slots, empty on entry: per chunk (Σ dy·y, 0)
+    M, N, C, stride_dy, stride_y, stride_dx, LAG,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # Long rows, one per program. Pass 1: Σ dy·y; pass 2: read both again, write dx.
-    row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
-        acc += dy * y
-    dot = tl.sum(acc, axis=0)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * stride_dx + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=cols < N)
+    # Long rows split into chunks (triton_fallback/_split.py): dy and y read once from memory, dx written once.
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_mine = tl.cdiv(M * C - pid, P)
+    lanes = tl.arange(0, BLOCK_N)
+    row = pid // C
+    cols = (pid - row * C) * BLOCK_N + lanes
+    first = cols < N
+    dy_next = tl.load(dy_ptr + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0,
+                      eviction_policy="evict_last")
+    y_next = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=first, other=0.0, eviction_policy="evict_last")
+    for step in range(0, n_mine + LAG):
+        dy = dy_next
+        y = y_next
+        item = pid + tl.minimum(step + 1, n_mine - 1) * P  # past the last item: the last again (L2)
+        row = item // C
+        cols = (item - row * C) * BLOCK_N + lanes
+        dy_next = tl.load(dy_ptr + row.to(tl.int64) * stride_dy + cols, mask=cols < N, other=0.0,
+                          eviction_policy="evict_last")
+        y_next = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=cols < N, other=0.0,
+                         eviction_policy="evict_last")
+        if step < n_mine:  # phase 1: the chunk's Σ dy·y
+            item = pid + step * P
+            row = item // C
+            _split.publish(slot_ptr + row.to(tl.int64) * C + (item - row * C),
+                           tl.sum(dy.to(tl.float32) * y.to(tl.float32), axis=0), tl.zeros([], dtype=tl.float32))
+        if step >= LAG:  # phase 2: both chunks again (from L2), the row's Σ dy·y from its slots, dx out
+            item = pid + (step - LAG) * P
+            row = item // C
+            cols = (item - row * C) * BLOCK_N + lanes
+            row64 = row.to(tl.int64)
+            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
+            y = tl.load(y_ptr + row64 * stride_y + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
+            p = slot_ptr + row64 * C
+            dot_k, _ = _split.collect(_split.look(p, C, 1, BLOCK_C), p, C, 1, BLOCK_C)
+            dot = tl.sum(tl.where(tl.arange(0, BLOCK_C) < C, dot_k, 0.0), axis=0)
+            dx = y.to(tl.float32) * (dy.to(tl.float32) - dot)
+            tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N,
+                     eviction_policy="evict_first")
 
 
 def softmax_fwd(x: Tensor) -> Tensor:
@@ -116,42 +174,50 @@ def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
     M, N = x.shape
     dtype, device, sx = x.dtype, x.device, x.stride(0)
     s = row_settings(N, M, op="softmax", device=device)
-    resident = s.resident
-    if resident:
+    if s.resident:
         k = Bound(_softmax_fwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
                   num_warps=s.num_warps)
-    else:
-        k = Bound(_softmax_fwd_looped_kernel, (M,), BLOCK_N=s.block_n, num_warps=s.num_warps)
 
-    def run(x: Tensor) -> Tensor:
-        y = torch.empty((M, N), dtype=dtype, device=device)
-        if resident:
+        def run(x: Tensor) -> Tensor:
+            y = torch.empty((M, N), dtype=dtype, device=device)
             k.go(x, y, M, N, sx, N)
-        else:
-            k.go(x, y, N, sx, N)
+            return y
+        return run
+    s = s if interpreting() or s != row_settings(N, M) else SPLIT  # a tuned long-row setting stays
+    grid = _split.split_grid(device, M, N, s.block_n, s.programs_per_sm, SPLIT_LAG)
+    k = Bound(_softmax_fwd_split_kernel, (grid.programs,), BLOCK_N=s.block_n, BLOCK_C=next_pow2(grid.chunks),
+              num_warps=s.num_warps, **_split.cooperative(s.num_warps, s.programs_per_sm))
+
+    def run_split(x: Tensor) -> Tensor:
+        y = torch.empty((M, N), dtype=dtype, device=device)
+        k.go(x, y, _split.scratch(M, grid, 1, device), M, N, grid.chunks, sx, N, grid.lag)
         return y
-    return run
+    return run_split
 
 
 def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     M, N = y.shape
     dtype, device, sdy, sy = y.dtype, y.device, dy.stride(0), y.stride(0)
     s = row_settings(N, M, backward=True)
-    resident = s.resident
-    if resident:
+    if s.resident:
         k = Bound(_softmax_bwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
                   num_warps=s.num_warps)
-    else:
-        k = Bound(_softmax_bwd_looped_kernel, (M,), BLOCK_N=s.block_n, num_warps=s.num_warps)
 
-    def run(dy: Tensor, y: Tensor) -> Tensor:
-        dx = torch.empty((M, N), dtype=dtype, device=device)
-        if resident:
+        def run(dy: Tensor, y: Tensor) -> Tensor:
+            dx = torch.empty((M, N), dtype=dtype, device=device)
             k.go(dy, y, dx, M, N, sdy, sy, N)
-        else:
-            k.go(dy, y, dx, N, sdy, sy, N)
+            return dx
+        return run
+    s = s if interpreting() else SPLIT_BWD
+    grid = _split.split_grid(device, M, N, s.block_n, s.programs_per_sm, SPLIT_LAG)
+    k = Bound(_softmax_bwd_split_kernel, (grid.programs,), BLOCK_N=s.block_n, BLOCK_C=next_pow2(grid.chunks),
+              num_warps=s.num_warps, **_split.cooperative(s.num_warps, s.programs_per_sm))
+
+    def run_split(dy: Tensor, y: Tensor) -> Tensor:
+        dx = torch.empty((M, N), dtype=dtype, device=device)
+        k.go(dy, y, dx, _split.scratch(M, grid, 1, device), M, N, grid.chunks, sdy, sy, N, grid.lag)
         return dx
-    return run
+    return run_split
 
 
 # Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.

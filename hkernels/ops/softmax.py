@@ -3,8 +3,11 @@
 Math, per row:  y = exp(x − max x) / Σ exp(x − max x).  Backward:  dx = y·(dy − Σ dy·y).
 
 Bytes for x: [M, N] of b-byte elements: forward reads and writes M·N·b; backward reads dy and y, writes dx.
-Rows longer than a block of registers are read twice: pass 1 keeps an online (max, sum) per row, rescaling the
-sum when the max grows (one exp per element), pass 2 writes.
+Rows that fit a block of registers (N ≤ MAX_RESIDENT_FWD forward, MAX_RESIDENT_BWD backward) are read once by
+the resident kernels. Longer rows are split into chunks walked twice by a persistent grid (the design is
+``triton_fallback/_split.py``'s; the Helion side is ``hkernels/ops/_split.py``): phase 1 reads a chunk and writes
+its partials (forward: its max and Σ exp(x − max); backward: its Σ dy·y), phase 2 combines the row's partials and
+reads the chunk again, from L2, to write y or dx. So these rows too cross the memory bus once each way.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from collections.abc import Callable
 import helion
 import helion.language as hl
 import torch
+import triton
 
-from hkernels.ops import _helion
+from hkernels.ops import _helion, _split
 
 Tensor = torch.Tensor
+# The longest rows kept in registers (the configs' resident buckets); longer rows take the split kernels.
 MAX_RESIDENT_FWD = 32768
+MAX_RESIDENT_BWD = 16384
 
 
 @helion.kernel(static_shapes=False)
@@ -34,34 +40,59 @@ def _softmax_fwd(x: Tensor) -> Tensor:
     return y
 
 
-@helion.kernel(static_shapes=False)
-def _softmax_fwd_looped(x: Tensor) -> Tensor:
-    # Long rows: pass 1, online max and sum over chunks; pass 2, read again and write y.
+@helion.kernel(static_shapes=False, autotune_config_overrides=_split.TUNE_OVERRIDES)
+def _softmax_fwd_split(x: Tensor, programs: int, lag: int, block: hl.constexpr) -> Tensor:
+    # Long rows, split (see hkernels/ops/_split.py): x [M, N] -> y [M, N]; chunks of ``block`` elements walked by
+    # ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
     m, n = x.size()
     n = hl.specialize(n)
+    chunks = (n + block - 1) // block
     y = torch.empty([m, n], dtype=x.dtype, device=x.device)
-    for tile_m in hl.tile(m):
-        row_max = hl.full([tile_m], float("-inf"), dtype=torch.float32)
-        row_sum = hl.zeros([tile_m], dtype=torch.float32)
-        for tile_n in hl.tile(n):
-            xf = x[tile_m, tile_n].to(torch.float32)
-            xf = torch.where((tile_n.index < n)[None, :], xf, float("-inf"))
-            new_max = torch.maximum(row_max, torch.amax(xf, dim=-1))
-            # While every value seen is -inf, shift by 0 instead of -inf so no inf - inf = NaN enters the sum.
-            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-            row_sum = row_sum * torch.exp(row_max - shift) + torch.sum(torch.exp(xf - shift[:, None]), dim=-1)
-            row_max = new_max
-        inv_sum = 1.0 / row_sum
-        for tile_n in hl.tile(n):
-            xf = x[tile_m, tile_n].to(torch.float32)
-            y[tile_m, tile_n] = (torch.exp(xf - row_max[:, None]) * inv_sum[:, None]).to(y.dtype)
+    slots = torch.full([m, chunks], -1, dtype=torch.int64, device=x.device)  # per chunk (max, Σ exp(x − max))
+    items = m * chunks
+    for pid in hl.grid(programs):
+        mine = (items - pid + programs - 1) // programs
+        for step in hl.grid(mine + lag):
+            if step < mine:
+                # Phase 1: read the chunk (kept in L2 for phase 2), publish its max and sum.
+                item = pid + step * programs
+                row = item // chunks
+                chunk = item % chunks
+                cols = chunk * block + hl.arange(block)
+                xf = hl.load(x, [row, cols], extra_mask=cols < n, eviction_policy="evict_last")
+                xf = torch.where(cols < n, xf.to(torch.float32), float("-inf"))
+                chunk_max = torch.amax(xf, dim=0)
+                # A chunk of -inf only (masked lanes past N included) shifts by 0: no inf − inf = NaN in its sum.
+                shift = torch.where(chunk_max == float("-inf"), 0.0, chunk_max)
+                # One 64-bit store publishes both; a NaN max is written as the canonical NaN (never "empty").
+                hi = torch.where(chunk_max != chunk_max, float("nan"), chunk_max).view(torch.int32).to(torch.int64)
+                lo = torch.sum(torch.exp(xf - shift), dim=0).view(torch.int32).to(torch.int64)
+                slots[row, chunk] = (hi << 32) | (lo & 0xFFFFFFFF)
+            if step >= lag:
+                # Phase 2: the chunk again (from L2); the row's max and sum from its slots, read until none is
+                # empty; y out.
+                item2 = pid + (step - lag) * programs
+                row2 = item2 // chunks
+                cols2 = (item2 % chunks) * block + hl.arange(block)
+                x_again = hl.load(x, [row2, cols2], extra_mask=cols2 < n, eviction_policy="evict_first")
+                k = hl.arange(triton.next_power_of_2(chunks))
+                k_in = torch.clamp_max(k, chunks - 1)  # lanes past the last chunk read it again (masked out below)
+                bits = hl.atomic_add(slots, [row2, k_in], 0)
+                while torch.sum(((bits == -1) & (k < chunks)).to(torch.int32)) > 0:
+                    bits = hl.atomic_add(slots, [row2, k_in], 0)
+                max_k = torch.where(k < chunks, (bits >> 32).to(torch.int32).view(torch.float32), float("-inf"))
+                sum_k = torch.where(k < chunks, bits.to(torch.int32).view(torch.float32), 0.0)
+                row_max = torch.amax(max_k, dim=0)
+                shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+                inv_sum = 1.0 / torch.sum(sum_k * torch.exp(max_k - shift), dim=0)
+                yf = torch.exp(x_again.to(torch.float32) - row_max) * inv_sum
+                hl.store(y, [row2, cols2], yf.to(y.dtype), extra_mask=cols2 < n)
     return y
 
 
 @helion.kernel(static_shapes=False)
 def _softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
-    # dy, y: [M, N] -> dx [M, N]. A config with reduction_loops=[None] keeps rows in registers (one read of dy
-    # and y); reduction_loops=[chunk] loops twice, for long rows.
+    # Resident rows: dy, y: [M, N] -> dx [M, N]; reads dy and y once.
     m, n = y.size()
     n = hl.specialize(n)
     dx = torch.empty([m, n], dtype=y.dtype, device=y.device)
@@ -69,6 +100,49 @@ def _softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
         yf = y[tile_m, :].to(torch.float32)
         dyf = dy[tile_m, :].to(torch.float32)
         dx[tile_m, :] = (yf * (dyf - torch.sum(dyf * yf, dim=-1)[:, None])).to(dx.dtype)
+    return dx
+
+
+@helion.kernel(static_shapes=False, autotune_config_overrides=_split.TUNE_OVERRIDES)
+def _softmax_bwd_split(dy: Tensor, y: Tensor, programs: int, lag: int, block: hl.constexpr) -> Tensor:
+    # Long rows, split (see hkernels/ops/_split.py): dy, y [M, N] -> dx [M, N]; chunks of ``block`` elements
+    # walked by ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
+    m, n = y.size()
+    n = hl.specialize(n)
+    chunks = (n + block - 1) // block
+    dx = torch.empty([m, n], dtype=y.dtype, device=y.device)
+    slots = torch.full([m, chunks], -1, dtype=torch.int64, device=y.device)  # per chunk (Σ dy·y, 0)
+    items = m * chunks
+    for pid in hl.grid(programs):
+        mine = (items - pid + programs - 1) // programs
+        for step in hl.grid(mine + lag):
+            if step < mine:
+                # Phase 1: read the chunk of dy and of y (kept in L2 for phase 2), publish its Σ dy·y.
+                item = pid + step * programs
+                row = item // chunks
+                chunk = item % chunks
+                cols = chunk * block + hl.arange(block)
+                dyf = hl.load(dy, [row, cols], extra_mask=cols < n, eviction_policy="evict_last").to(torch.float32)
+                yf = hl.load(y, [row, cols], extra_mask=cols < n, eviction_policy="evict_last").to(torch.float32)
+                # One 64-bit store publishes it; a NaN is written as the canonical NaN (never "empty").
+                dot = torch.sum(dyf * yf, dim=0)
+                slots[row, chunk] = torch.where(dot != dot, float("nan"), dot).view(torch.int32).to(torch.int64) << 32
+            if step >= lag:
+                # Phase 2: both chunks again (from L2); the row's Σ dy·y from its slots, read until none is empty;
+                # dx out.
+                item2 = pid + (step - lag) * programs
+                row2 = item2 // chunks
+                cols2 = (item2 % chunks) * block + hl.arange(block)
+                dy_again = hl.load(dy, [row2, cols2], extra_mask=cols2 < n, eviction_policy="evict_first")
+                y_again = hl.load(y, [row2, cols2], extra_mask=cols2 < n, eviction_policy="evict_first")
+                k = hl.arange(triton.next_power_of_2(chunks))
+                k_in = torch.clamp_max(k, chunks - 1)  # lanes past the last chunk read it again (masked out below)
+                bits = hl.atomic_add(slots, [row2, k_in], 0)
+                while torch.sum(((bits == -1) & (k < chunks)).to(torch.int32)) > 0:
+                    bits = hl.atomic_add(slots, [row2, k_in], 0)
+                dot = torch.sum(torch.where(k < chunks, (bits >> 32).to(torch.int32).view(torch.float32), 0.0), dim=0)
+                dxf = y_again.to(torch.float32) * (dy_again.to(torch.float32) - dot)
+                hl.store(dx, [row2, cols2], dxf.to(dx.dtype), extra_mask=cols2 < n)
     return dx
 
 
@@ -83,15 +157,27 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
 
 
 def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
-    N = x.shape[1]
-    kernel = _softmax_fwd if N <= MAX_RESIDENT_FWD else _softmax_fwd_looped
-    fn, launcher = _helion.bind(kernel, (x,), N, x.device)
-    return lambda x: fn(x, _launcher=launcher)
+    M, N = x.shape
+    if N <= MAX_RESIDENT_FWD:
+        fn, launcher = _helion.bind(_softmax_fwd, (x,), N, x.device)
+        return lambda x: fn(x, _launcher=launcher)
+    walk = _split.walk(_softmax_fwd_split, M, N, x.device, x.dtype)
+    programs, lag, block = walk.programs, walk.lag, walk.block
+    fn = _helion.bind(_softmax_fwd_split, (x, programs, lag, block), N, x.device)[0]
+    split_launcher = _split.bound_launcher(walk.per_sm)
+    return lambda x: fn(x, programs, lag, block, _launcher=split_launcher)
 
 
 def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
-    fn, launcher = _helion.bind(_softmax_bwd, (dy, y), y.shape[1], y.device)
-    return lambda dy, y: fn(dy, y, _launcher=launcher)
+    M, N = y.shape
+    if N <= MAX_RESIDENT_BWD:
+        fn, launcher = _helion.bind(_softmax_bwd, (dy, y), N, y.device)
+        return lambda dy, y: fn(dy, y, _launcher=launcher)
+    walk = _split.walk(_softmax_bwd_split, M, N, y.device, y.dtype)
+    programs, lag, block = walk.programs, walk.lag, walk.block
+    fn = _helion.bind(_softmax_bwd_split, (dy, y, programs, lag, block), N, y.device)[0]
+    split_launcher = _split.bound_launcher(walk.per_sm)
+    return lambda dy, y: fn(dy, y, programs, lag, block, _launcher=split_launcher)
 
 
 # Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.

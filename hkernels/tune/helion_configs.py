@@ -45,6 +45,13 @@ def tune_helion(case: Case, arch: str, out: Path, budget_s: int | None = None) -
         seen.setdefault((kernel.name, n), (kernel, args))
     lines = []
     for i, ((name, n), (kernel, args)) in enumerate(seen.items(), 1):
+        if getattr(kernel.settings, "autotune_config_overrides", None):
+            # A split-row kernel: its programs wait for each other, so every launch must be cooperative and its
+            # registers capped (hkernels/ops/_split.py); Helion's autotuner launches neither way and could hang.
+            say(f"  helion {i}/{len(seen)}: {name}: a split-row kernel, not autotuned (its bucket's chunk, lag and "
+                f"programs per SM are set by hand in its bucket)")
+            lines.append(f"helion {name} n={n}: split-row kernel, not autotuned; shipped config kept")
+            continue
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         budget = f", budget {budget_s} s" if budget_s else ""
