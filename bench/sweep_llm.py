@@ -39,9 +39,11 @@ def _helion_override(kernel: str) -> Callable[[Candidate], Callable[[], None]]:
             return helion.Config(**cand) if name == kernel else saved(name, n, device, dtype)
 
         _helion.config_for = config_for
+        _helion._compiled.clear()  # compiled functions are kept by arguments, not by config
 
         def undo() -> None:
             _helion.config_for = saved
+            _helion._compiled.clear()
 
         return undo
 

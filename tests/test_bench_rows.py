@@ -96,3 +96,26 @@ def test_report_with_timings_plots_rates(tmp_path):
     text = report.write(tmp_path, rows, env).read_text()
     assert "% of copy" in text and "![rms_norm.png](rms_norm.png)" in text
     assert (tmp_path / "rms_norm.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("tool", ["sweep", "sweep_llm"])
+def test_a_helion_candidate_of_the_sweeps_compiles_its_own_kernel(tool, device):
+    """Compiled Helion functions are kept by their arguments, not their config: a sweep that forces a config must
+    not time the previous candidate's kernel again."""
+    import torch
+
+    from bench import sweep, sweep_llm
+    from hkernels.ops import _helion
+    from hkernels.ops import rms_norm as h_rms
+
+    apply = sweep._apply_helion if tool == "sweep" else sweep_llm._helion_override("_rms_norm_fwd")
+    x, w = torch.randn(8, 256, device=device), torch.randn(256, device=device)
+    kernels = []
+    for warps in (4, 8):
+        undo = apply({"block_sizes": [1], "num_warps": warps, "reduction_loops": [None]})
+        try:
+            h_rms.rms_norm_fwd(x, w, 1e-6)
+            kernels.append(next(fn for key, fn in _helion._compiled.items() if key[0] is h_rms._rms_norm_fwd))
+        finally:
+            undo()
+    assert kernels[0] is not kernels[1]
