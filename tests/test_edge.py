@@ -351,3 +351,25 @@ def test_softmax_split_rows_with_non_finite_values(backend, device):
         (g,) = torch.autograd.grad(hkernels.softmax(xr, -1), xr, dy[3:])
     (want_g,) = torch.autograd.grad(torch.softmax(xr.double(), -1), xr, dy[3:].double())
     torch.testing.assert_close(g.double(), want_g.double(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [300, 40000])
+def test_helion_softmax_takes_64_bit_indices_for_rows_reaching_past_int32(n, device, monkeypatch):
+    # Helion picks 32-bit indices by a tensor's element count; a row-strided view can reach further than that.
+    # With the limit lowered, every softmax kernel (resident and split rows) must run its 64-bit twin, correctly.
+    from hkernels.ops import _helion, swiglu
+    from hkernels.ops import softmax as h_sm
+
+    monkeypatch.setattr(swiglu, "_INT32_MAX", 1000)
+    monkeypatch.setattr(_helion, "_compiled", {})  # the kernels this test compiles, and only those
+    x, dy, y = (torch.empty(6, n, device=device)[::2] for _ in range(3))
+    x.copy_(torch.randn(3, n, device=device))
+    dy.copy_(torch.randn(3, n, device=device))
+    y.copy_(h_sm.softmax_fwd(x))
+    dx = h_sm.softmax_bwd(dy, y)
+    want = torch.softmax(x.double(), -1)
+    torch.testing.assert_close(y.double(), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dx.double(), want * (dy.double() - (dy.double() * want).sum(-1, keepdim=True)),
+                               atol=1e-6, rtol=1e-5)
+    used = {key[0] for key in _helion._compiled}
+    assert len(used) == 2 and used <= set(h_sm._WIDE.values())

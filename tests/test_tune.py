@@ -183,14 +183,10 @@ def test_tune_helion_skips_split_row_kernels(tmp_path, monkeypatch):
     cooperatively nor with capped registers, must never run it."""
     import contextlib
 
-    from hkernels.ops import _helion
-
-    class _SplitSettings:
-        def __init__(self) -> None:
-            self.autotune_config_overrides = {"pid_type": "flat"}
+    from hkernels.ops import _helion, softmax
 
     class _SplitKernel:
-        name, settings = "_fake_split", _SplitSettings()
+        name = softmax._softmax_fwd_split.name  # a split-row kernel (softmax names its own in _split.KERNELS)
 
         def bind(self, args):
             raise AssertionError("a split-row kernel was bound for autotuning")

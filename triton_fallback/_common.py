@@ -140,8 +140,9 @@ def _row_settings(
     n: int, m: int, backward: bool = False, op: str | None = None, device: torch.device | None = None
 ) -> RowSettings:
     """The settings themselves (see row_settings): about 8192 elements per program for the forward kernels (2 rows
-    of 4096 with 8 warps, 1 row of 8192 with 4); long rows loop over 8192-element chunks with 16 warps. The
-    fastest of ``python -m bench sweep``'s candidates (see bench/results/h200/README.md).
+    of 4096 with 8 warps, 1 row of 8192 with 4); long rows go in 8192-element chunks with 16 warps (the norms'
+    loops; softmax's split rows take their own, ``triton_fallback/softmax.py``'s SPLIT). The fastest of
+    ``python -m bench sweep``'s candidates (see bench/results/h200/README.md).
     """
     if op is not None and device is not None and not backward:
         tuned = tuned_row_settings(op, n, device)

@@ -18,7 +18,8 @@ from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
-# Long rows (triton_fallback/_split.py), phase 2 one step behind phase 1. Forward: chunks of 4096 elements, 4
+# Long rows (triton_fallback/_split.py), phase 2 one step behind phase 1 (more where a row has more chunks than
+# the grid has programs). Forward: chunks of 4096 elements, 4
 # warps, 8 programs per SM; backward (two inputs): chunks of 8192, 8 warps, 2 programs per SM. The fastest of
 # python -m bench sweep-llm's candidates (see bench/results/h200/README.md).
 SPLIT = RowSettings(False, 1, 4096, 4, programs_per_sm=8)

@@ -26,14 +26,17 @@ from triton_fallback._split import cooperative, split_grid
 
 # What Helion's autotuner must keep (``autotune_config_overrides`` of each split kernel):
 # - one program per pid: a persistent pid type runs several pids one after another in one program, which would
-#   then wait for a chunk that it has yet to read itself (a flat pid type takes Helion's default SM multiplier and
-#   no register cap: the launchers below cap registers);
+#   then wait for a chunk that it has yet to read itself; no register cap in the config (Helion 1.5.0 takes none
+#   with a flat pid type: the launcher below caps registers);
 # - no software pipelining of the step loop (the kernels issue their early loads themselves).
 TUNE_OVERRIDES: dict[str, Any] = {
     "pid_type": "flat", "num_sm_multiplier": 1, "maxnreg": None, "num_stages": 1, "range_num_stages": [0, 0],
 }
 
-_CHUNK, _LAG, _PER_SM = 8192, 2, 2  # for a bucket that names none (one written by the tune command)
+_CHUNK, _LAG, _PER_SM = 8192, 2, 2  # for a bucket that names none
+
+# The names of the split-row kernels (each kernel module adds its own): what the tune command must not autotune.
+KERNELS: set[str] = set()
 
 
 @dataclass(frozen=True)

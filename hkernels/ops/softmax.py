@@ -20,6 +20,7 @@ import torch
 import triton
 
 from hkernels.ops import _helion, _split
+from hkernels.ops.swiglu import int64_twin, spans_past_int32
 
 Tensor = torch.Tensor
 # The longest rows kept in registers (the configs' resident buckets); longer rows take the split kernels.
@@ -156,14 +157,30 @@ def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
     return _bind_bwd(dy, y)(dy, y)
 
 
+_split.KERNELS.update(k.name for k in (_softmax_fwd_split, _softmax_bwd_split))
+
+# The same kernels with 64-bit indices, for rows that reach past 2^31 elements (a row-strided view of a large
+# tensor: Helion picks 32-bit indices by element count).
+_WIDE = {
+    **{k.name: int64_twin(k) for k in (_softmax_fwd, _softmax_bwd)},
+    **{k.name: helion.kernel(k.fn, static_shapes=False, index_dtype=torch.int64,
+                             autotune_config_overrides=_split.TUNE_OVERRIDES)
+       for k in (_softmax_fwd_split, _softmax_bwd_split)},
+}
+
+
+def _kernel(kernel: helion.Kernel, *tensors: Tensor) -> helion.Kernel:
+    return _WIDE[kernel.name] if any(spans_past_int32(t) for t in tensors) else kernel
+
+
 def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
     M, N = x.shape
     if N <= MAX_RESIDENT_FWD:
-        fn, launcher = _helion.bind(_softmax_fwd, (x,), N, x.device)
+        fn, launcher = _helion.bind(_kernel(_softmax_fwd, x), (x,), N, x.device)
         return lambda x: fn(x, _launcher=launcher)
     walk = _split.walk(_softmax_fwd_split, M, N, x.device, x.dtype)
     programs, lag, block = walk.programs, walk.lag, walk.block
-    fn = _helion.bind(_softmax_fwd_split, (x, programs, lag, block), N, x.device)[0]
+    fn = _helion.bind(_kernel(_softmax_fwd_split, x), (x, programs, lag, block), N, x.device)[0]
     split_launcher = _split.bound_launcher(walk.per_sm)
     return lambda x: fn(x, programs, lag, block, _launcher=split_launcher)
 
@@ -171,11 +188,11 @@ def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
 def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     M, N = y.shape
     if N <= MAX_RESIDENT_BWD:
-        fn, launcher = _helion.bind(_softmax_bwd, (dy, y), N, y.device)
+        fn, launcher = _helion.bind(_kernel(_softmax_bwd, dy, y), (dy, y), N, y.device)
         return lambda dy, y: fn(dy, y, _launcher=launcher)
     walk = _split.walk(_softmax_bwd_split, M, N, y.device, y.dtype)
     programs, lag, block = walk.programs, walk.lag, walk.block
-    fn = _helion.bind(_softmax_bwd_split, (dy, y, programs, lag, block), N, y.device)[0]
+    fn = _helion.bind(_kernel(_softmax_bwd_split, dy, y), (dy, y, programs, lag, block), N, y.device)[0]
     split_launcher = _split.bound_launcher(walk.per_sm)
     return lambda dy, y: fn(dy, y, programs, lag, block, _launcher=split_launcher)
 

@@ -71,7 +71,9 @@ def int64_twin(kernel: helion.Kernel) -> helion.Kernel:
 _WIDE = {k.name: int64_twin(k) for k in (_swiglu_fwd, _swiglu_bwd)}
 
 
-def _spans_past_int32(t: Tensor) -> bool:
+def spans_past_int32(t: Tensor) -> bool:
+    """Whether [M, N] ``t`` (unit column stride) reaches past 2^31 - 1 elements from its first: Helion picks 32-bit
+    indices by a tensor's element count, not by how far its rows reach."""
     return (t.shape[0] - 1) * t.stride(0) + t.shape[1] > _INT32_MAX
 
 
@@ -79,7 +81,7 @@ def bind(kernel: helion.Kernel, wide: dict[str, helion.Kernel], args: tuple[Any,
     """``kernel`` (or its int64 twin from ``wide``, when an [M, N] tensor of ``args`` spans past 2^31 elements) for
     arguments of this signature, shared with geglu: ``run(*args)``."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if any(_spans_past_int32(t) for t in tensors):
+    if any(spans_past_int32(t) for t in tensors):
         kernel = wide[kernel.name]
     fn, launcher = _helion.bind(kernel, args, tensors[0].shape[1], tensors[0].device)
     return lambda *args: fn(*args, _launcher=launcher)

@@ -36,7 +36,7 @@ def tune_helion(case: Case, arch: str, out: Path, budget_s: int | None = None) -
     """
     import helion
 
-    from hkernels.ops import _helion
+    from hkernels.ops import _helion, _split
 
     with hkernels.use_backend("helion"), _helion.record() as launches:
         case.forward_backward()
@@ -45,7 +45,7 @@ def tune_helion(case: Case, arch: str, out: Path, budget_s: int | None = None) -
         seen.setdefault((kernel.name, n), (kernel, args))
     lines = []
     for i, ((name, n), (kernel, args)) in enumerate(seen.items(), 1):
-        if getattr(kernel.settings, "autotune_config_overrides", None):
+        if name in _split.KERNELS:
             # A split-row kernel: its programs wait for each other, so every launch must be cooperative and its
             # registers capped (hkernels/ops/_split.py); Helion's autotuner launches neither way and could hang.
             say(f"  helion {i}/{len(seen)}: {name}: a split-row kernel, not autotuned (its bucket's chunk, lag and "

@@ -1,9 +1,9 @@
 """Step 2 of the tune command: search the Triton launch settings of the ops that have a search space.
 
-The row-wise forwards (rms_norm, add_rms_norm, layer_norm, softmax: rows per program, block, warps, resident or
-looped), rope (tile size, warps) and cross_entropy (block, warps, stages, programs per SM). Each candidate is
-forced through ``triton_fallback._common.searching`` and timed; the fastest over every shape of the run that shares
-its bucket is written.
+The row-wise forwards (rms_norm, add_rms_norm, layer_norm, softmax: rows per program, block, warps, resident rows
+or chunks of long ones), rope (tile size, warps) and cross_entropy (block, warps, stages, programs per SM). Each
+candidate is forced through ``triton_fallback._common.searching`` and timed; the fastest over every shape of the
+run that shares its bucket is written.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _describe(cand: Any) -> str:
     if isinstance(cand, dict):
         return ", ".join(f"{k} {v}" for k, v in cand.items())
     return (f"block {cand.block_m}x{cand.block_n}, {cand.num_warps} warps, "
-            f"{'resident' if cand.resident else 'looped'}")
+            f"{'resident' if cand.resident else 'chunks of long rows'}")
 
 
 def tune_triton(case: Case, arch: str, out: Path, device: torch.device) -> list[str]:
