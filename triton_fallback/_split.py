@@ -49,16 +49,18 @@ def publish(slot_ptr, a, b):
 
 
 @triton.jit
-def look(slot_ptr, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A first read of a row's C slots, ``K`` apart (what :func:`collect` starts from)."""
-    k = tl.arange(0, BLOCK_C)
-    return tl.load(slot_ptr + k * K, mask=k < C, other=0, volatile=True)
+def place(item, C, BLOCK: tl.constexpr):
+    """Work item -> (its row as int64, its chunk, the chunk's columns)."""
+    row = item // C
+    chunk = item - row * C
+    return row.to(tl.int64), chunk, chunk * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
-def collect(bits, slot_ptr, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The pairs (a, b) of a row's C slots: ``bits`` (from :func:`look`), read again until none is empty."""
+def collect(slot_ptr, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The pairs (a, b) of a row's C slots, ``K`` apart, read until none is empty."""
     k = tl.arange(0, BLOCK_C)
+    bits = tl.load(slot_ptr + k * K, mask=k < C, other=0, volatile=True)
     while tl.sum((bits == -1).to(tl.int32), axis=0) > 0:  # -1: EMPTY
         bits = tl.load(slot_ptr + k * K, mask=k < C, other=0, volatile=True)
     bits = bits.to(tl.uint64, bitcast=True)

@@ -58,41 +58,32 @@ def _softmax_fwd_split_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_mine = tl.cdiv(M * C - pid, P)
-    lanes = tl.arange(0, BLOCK_N)
-    row = pid // C
-    cols = (pid - row * C) * BLOCK_N + lanes
-    x_next = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < N,
-                     other=-float("inf"), eviction_policy="evict_last")
+    row, chunk, cols = _split.place(pid, C, BLOCK_N)
+    x_next = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=-float("inf"), eviction_policy="evict_last")
     for step in range(0, n_mine + LAG):
         x = x_next
-        item = pid + tl.minimum(step + 1, n_mine - 1) * P  # past the last item: the last again (L2)
-        row = item // C
-        cols = (item - row * C) * BLOCK_N + lanes
-        x_next = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < N, other=-float("inf"),
+        # The next step's chunk (past the last item: the last again, from L2).
+        row, chunk, cols = _split.place(pid + tl.minimum(step + 1, n_mine - 1) * P, C, BLOCK_N)
+        x_next = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=-float("inf"),
                          eviction_policy="evict_last")
         if step < n_mine:  # phase 1: the chunk's max and Σ exp
-            item = pid + step * P
-            row = item // C
+            row, chunk, cols = _split.place(pid + step * P, C, BLOCK_N)
             xf = x.to(tl.float32)
             m = tl.max(xf, axis=0)
             # A chunk of -inf only shifts by 0: no inf − inf = NaN in its sum.
-            _split.publish(slot_ptr + row.to(tl.int64) * C + (item - row * C), m,
+            _split.publish(slot_ptr + row * C + chunk, m,
                            tl.sum(tl.exp(xf - tl.where(m == -float("inf"), 0.0, m)), axis=0))
         if step >= LAG:  # phase 2: the chunk again (from L2), the row's max and sum from its slots, y out
-            item = pid + (step - LAG) * P
-            row = item // C
-            cols = (item - row * C) * BLOCK_N + lanes
-            row64 = row.to(tl.int64)
-            x = tl.load(x_ptr + row64 * stride_x + cols, mask=cols < N, other=-float("inf"),
+            row, chunk, cols = _split.place(pid + (step - LAG) * P, C, BLOCK_N)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=-float("inf"),
                         eviction_policy="evict_first")
-            p = slot_ptr + row64 * C
-            m_k, s_k = _split.collect(_split.look(p, C, 1, BLOCK_C), p, C, 1, BLOCK_C)
+            m_k, s_k = _split.collect(slot_ptr + row * C, C, 1, BLOCK_C)
             m_k = tl.where(tl.arange(0, BLOCK_C) < C, m_k, -float("inf"))
             row_max = tl.max(m_k, axis=0)
             shift = tl.where(row_max == -float("inf"), 0.0, row_max)
             inv_sum = 1.0 / tl.sum(s_k * tl.exp(m_k - shift), axis=0)
             y = tl.exp(x.to(tl.float32) - row_max) * inv_sum
-            tl.store(y_ptr + row64 * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N,
+            tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N,
                      eviction_policy="evict_first")
 
 
@@ -124,40 +115,28 @@ def _softmax_bwd_split_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_mine = tl.cdiv(M * C - pid, P)
-    lanes = tl.arange(0, BLOCK_N)
-    row = pid // C
-    cols = (pid - row * C) * BLOCK_N + lanes
-    first = cols < N
-    dy_next = tl.load(dy_ptr + row.to(tl.int64) * stride_dy + cols, mask=first, other=0.0,
-                      eviction_policy="evict_last")
-    y_next = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=first, other=0.0, eviction_policy="evict_last")
+    row, chunk, cols = _split.place(pid, C, BLOCK_N)
+    dy_next = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+    y_next = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
     for step in range(0, n_mine + LAG):
         dy = dy_next
         y = y_next
-        item = pid + tl.minimum(step + 1, n_mine - 1) * P  # past the last item: the last again (L2)
-        row = item // C
-        cols = (item - row * C) * BLOCK_N + lanes
-        dy_next = tl.load(dy_ptr + row.to(tl.int64) * stride_dy + cols, mask=cols < N, other=0.0,
-                          eviction_policy="evict_last")
-        y_next = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=cols < N, other=0.0,
-                         eviction_policy="evict_last")
+        # The next step's chunks (past the last item: the last again, from L2).
+        row, chunk, cols = _split.place(pid + tl.minimum(step + 1, n_mine - 1) * P, C, BLOCK_N)
+        dy_next = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+        y_next = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
         if step < n_mine:  # phase 1: the chunk's Σ dy·y
-            item = pid + step * P
-            row = item // C
-            _split.publish(slot_ptr + row.to(tl.int64) * C + (item - row * C),
-                           tl.sum(dy.to(tl.float32) * y.to(tl.float32), axis=0), tl.zeros([], dtype=tl.float32))
+            row, chunk, cols = _split.place(pid + step * P, C, BLOCK_N)
+            _split.publish(slot_ptr + row * C + chunk, tl.sum(dy.to(tl.float32) * y.to(tl.float32), axis=0),
+                           tl.zeros([], dtype=tl.float32))
         if step >= LAG:  # phase 2: both chunks again (from L2), the row's Σ dy·y from its slots, dx out
-            item = pid + (step - LAG) * P
-            row = item // C
-            cols = (item - row * C) * BLOCK_N + lanes
-            row64 = row.to(tl.int64)
-            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
-            y = tl.load(y_ptr + row64 * stride_y + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
-            p = slot_ptr + row64 * C
-            dot_k, _ = _split.collect(_split.look(p, C, 1, BLOCK_C), p, C, 1, BLOCK_C)
+            row, chunk, cols = _split.place(pid + (step - LAG) * P, C, BLOCK_N)
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
+            y = tl.load(y_ptr + row * stride_y + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
+            dot_k, _ = _split.collect(slot_ptr + row * C, C, 1, BLOCK_C)
             dot = tl.sum(tl.where(tl.arange(0, BLOCK_C) < C, dot_k, 0.0), axis=0)
             dx = y.to(tl.float32) * (dy.to(tl.float32) - dot)
-            tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N,
+            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N,
                      eviction_policy="evict_first")
 
 
