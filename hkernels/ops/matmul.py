@@ -21,8 +21,9 @@ One kernel serves 2-D and batched inputs: 2-D ones are viewed as a batch of one,
 specialises away. Each program (or persistent loop step) owns a [BLOCK_M, BLOCK_N] tile of one batch and walks K in
 steps of BLOCK_K. The outputs are allocated by the host and passed in, so that Helion knows their layout and can
 store them through TMA descriptors (``indexing: tensor_descriptor``); a and b are read through descriptors too
-where their strides allow (Helion checks 16-byte alignment and falls back to pointer loads per tensor otherwise;
-transposed views become permuted descriptors). Helion switches to 64-bit indices for tensors of more than 2^31
+where their strides allow (Helion checks 16-byte alignment and falls back to pointer loads per tensor otherwise).
+A transposed view (``weight.t()``) is passed in its storage order with ``a_t`` / ``b_t`` set, and the kernel
+transposes its 2-D tiles. Helion switches to 64-bit indices for tensors of more than 2^31
 elements; a view spanning more memory than it holds (a slice of a wider tensor) takes the kernel's int64 twin.
 
 Configs (``hkernels/configs/<arch>/matmul.json``): the buckets of ``_matmul_fwd`` are chosen by the key
@@ -100,21 +101,29 @@ def _matmul_fwd(
     z: Tensor | None,
     activation: hl.constexpr,
     upcast: hl.constexpr,
+    a_t: hl.constexpr,
+    b_t: hl.constexpr,
 ) -> None:
-    # a: [B, M, K], b: [B, K, N], bias: [N] or None -> y (and z when given): [B, M, N], written in place.
-    # Reads a [BLOCK_M, K] row panel of a and a [K, BLOCK_N] column panel of b per tile, writes the tile of y once.
+    # a: [B, M, K] (with a_t: its storage order [B, K, M]), b: [B, K, N] (with b_t: [B, N, K]), bias: [N] or None
+    # -> y (and z when given): [B, M, N], written in place. Reads a [BLOCK_M, K] row panel of a and a [K, BLOCK_N]
+    # column panel of b per tile, writes the tile of y once. A transposed operand is read in its storage order and
+    # its 2-D tile transposed: wgmma reads that transpose from shared memory (a [1, K, N] load permuted as 3-D
+    # goes through registers instead).
     # ``upcast`` (interpret mode only) multiplies float32 copies of the tiles: Triton's interpreter cannot multiply
     # bfloat16 tiles (it multiplies their raw bits); the products are the same, bf16 ones being exact in float32.
-    nb, m, k = a.size()
-    n = b.size(2)
+    if a_t:
+        nb, k, m = a.size()
+    else:
+        nb, m, k = a.size()
+    n = b.size(1) if b_t else b.size(2)
     for tile_m, tile_n, tile_b in hl.tile([m, n, nb], block_size=[None, None, 1]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
         for tile_k in hl.tile(k):
-            if upcast:
-                lhs = a[tile_b.begin, tile_m, tile_k].to(torch.float32)
-                acc = hl.dot(lhs, b[tile_b.begin, tile_k, tile_n].to(torch.float32), acc=acc)
-            else:
-                acc = hl.dot(a[tile_b.begin, tile_m, tile_k], b[tile_b.begin, tile_k, tile_n], acc=acc)
+            lhs = a[tile_b.begin, tile_k, tile_m].T if a_t else a[tile_b.begin, tile_m, tile_k]
+            rhs = b[tile_b.begin, tile_n, tile_k].T if b_t else b[tile_b.begin, tile_k, tile_n]
+            lhs = lhs.to(torch.float32) if upcast else lhs
+            rhs = rhs.to(torch.float32) if upcast else rhs
+            acc = hl.dot(lhs, rhs, acc=acc)
         if bias is not None:
             acc = acc + bias[tile_n].to(torch.float32)[None, :]
         # y before z: fewer registers for the gelu epilogue (sm_90, 128×256 tiles: z first spills 1.6 KB a thread,
@@ -187,6 +196,11 @@ def bucket_key(m: int, n: int, batch: int, sms: int, path: int) -> int:
 def _span(t: Tensor) -> int:
     # elements from the first to one past the last that a view can touch
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 0)
+
+
+def _row_major(t: Tensor) -> bool:
+    # a [B, R, C] view whose rows are contiguous (after _readable, the others have contiguous columns: a transpose)
+    return t.stride(2) == 1 or t.shape[2] == 1
 
 
 def _readable(t: Tensor) -> Tensor:
@@ -262,7 +276,10 @@ def matmul_fwd(
         path = 0
     upcast = interpreting() and a.dtype == torch.bfloat16
     key = bucket_key(m, n, nb, num_sms(a.device), path)  # the wave count of the GPU at hand
-    _helion.run(_FWD_WIDE if wide else _matmul_fwd, (a3, b3, bias, y_run, z_run, activation, upcast), key, a.device)
+    a_t, b_t = not _row_major(a3), not _row_major(b3)
+    args = (a3.transpose(1, 2) if a_t else a3, b3.transpose(1, 2) if b_t else b3, bias, y_run, z_run, activation,
+            upcast, a_t, b_t)
+    _helion.run(_FWD_WIDE if wide else _matmul_fwd, args, key, a.device)
     if y_run is not y:
         y.copy_(y_run[:, :m, :n])
         if z is not None:
