@@ -41,6 +41,8 @@ tensor cores: small tiles). The element-wise ``_matmul_act_bwd`` is bucketed by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
@@ -227,6 +229,55 @@ def _check(a: Tensor, b: Tensor, activation: str | None) -> None:
         raise ValueError(f"matmul: a and b must share a dtype, got {a.dtype} and {b.dtype}")
 
 
+def _padded(a3: Tensor, b3: Tensor, bias: Tensor | None, y: Tensor, z: Tensor | None
+            ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+    """(a3, b3, bias, y_run, z_run): the operands and outputs the kernel runs on. Helion 1.5.0 specialises a size-1
+    dim of an output to a broadcast and then stores every row (column) of a tile to the one address (M = 1 would
+    give row 0 the value of a masked-off row). M or N of 1 is padded to 2 with zeros, a copy of K elements per
+    batch; the extra row (column) of y is computed and dropped (``_unpad``)."""
+    nb, m, k = a3.shape
+    n = b3.shape[2]
+    pad_m, pad_n = m == 1, n == 1
+    if not (pad_m or pad_n):
+        return a3, b3, bias, y, z
+    if pad_m:
+        a3 = torch.cat([a3, a3.new_zeros((nb, 1, k))], dim=1)
+    if pad_n:
+        b3 = torch.cat([b3, b3.new_zeros((nb, k, 1))], dim=2)
+        if bias is not None:
+            bias = torch.cat([bias.reshape(1), bias.new_zeros(1)])
+    y_run = y.new_empty((nb, m + pad_m, n + pad_n))
+    return a3, b3, bias, y_run, None if z is None else torch.empty_like(y_run)
+
+
+def _unpad(y: Tensor, z: Tensor | None, y_run: Tensor, z_run: Tensor | None) -> None:
+    if y_run is not y:
+        m, n = y.shape[1:]
+        y.copy_(y_run[:, :m, :n])
+        if z is not None:
+            z.copy_(z_run[:, :m, :n])  # type: ignore[index]
+
+
+def _launch_args(a3: Tensor, b3: Tensor, bias: Tensor | None, y: Tensor, z: Tensor | None, activation: str | None,
+                 m: int, n: int) -> tuple[helion.Kernel, tuple[object, ...], int]:
+    """The kernel (32- or 64-bit indices), its arguments and its config key for [B, M, K] @ [B, K, N] into y (and
+    z); m, n: the product's size before any padding (they choose the tile class)."""
+    tensors = [t for t in (a3, b3, bias, y, z) if t is not None]
+    wide = any(_span(t) > _INT32_MAX for t in tensors)
+    if wide:
+        path = 2
+    elif (activation == "gelu" and z is not None) or not all(_tma_ready(t) for t in (a3, b3, y)):
+        path = 1
+    else:
+        path = 0
+    upcast = interpreting() and a3.dtype == torch.bfloat16
+    key = bucket_key(m, n, a3.shape[0], num_sms(a3.device), path)  # the wave count of the GPU at hand
+    a_t, b_t = not _row_major(a3), not _row_major(b3)
+    args = (a3.transpose(1, 2) if a_t else a3, b3.transpose(1, 2) if b_t else b3, bias, y, z, activation, upcast,
+            a_t, b_t)
+    return (_FWD_WIDE if wide else _matmul_fwd), args, key
+
+
 def matmul_fwd(
     a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -251,40 +302,46 @@ def matmul_fwd(
         if z is not None:
             z.copy_(pre)
         return y.view(out_shape), None if z is None else z.view(out_shape)
-    # Helion 1.5.0 specialises a size-1 dim of an output to a broadcast and then stores every row (column) of a
-    # tile to the one address (M = 1 would give row 0 the value of a masked-off row). M or N of 1 is padded to 2
-    # with zeros, a copy of K elements per batch; the extra row (column) of y is computed and dropped.
-    pad_m, pad_n = m == 1, n == 1
-    if pad_m:
-        a3 = torch.cat([a3, a3.new_zeros((nb, 1, k))], dim=1)
-    if pad_n:
-        b3 = torch.cat([b3, b3.new_zeros((nb, k, 1))], dim=2)
-        if bias is not None:
-            bias = torch.cat([bias.reshape(1), bias.new_zeros(1)])
-    if pad_m or pad_n:
-        y_run = y.new_empty((nb, m + pad_m, n + pad_n))
-        z_run = None if z is None else torch.empty_like(y_run)
-    else:
-        y_run, z_run = y, z
-    tensors = [t for t in (a3, b3, bias, y_run, z_run) if t is not None]
-    wide = any(_span(t) > _INT32_MAX for t in tensors)
-    if wide:
-        path = 2
-    elif (activation == "gelu" and z is not None) or not all(_tma_ready(t) for t in (a3, b3, y_run)):
-        path = 1
-    else:
-        path = 0
-    upcast = interpreting() and a.dtype == torch.bfloat16
-    key = bucket_key(m, n, nb, num_sms(a.device), path)  # the wave count of the GPU at hand
-    a_t, b_t = not _row_major(a3), not _row_major(b3)
-    args = (a3.transpose(1, 2) if a_t else a3, b3.transpose(1, 2) if b_t else b3, bias, y_run, z_run, activation,
-            upcast, a_t, b_t)
-    _helion.run(_FWD_WIDE if wide else _matmul_fwd, args, key, a.device)
-    if y_run is not y:
-        y.copy_(y_run[:, :m, :n])
-        if z is not None:
-            z.copy_(z_run[:, :m, :n])
+    a3, b3, bias, y_run, z_run = _padded(a3, b3, bias, y, z)
+    kernel, args, key = _launch_args(a3, b3, bias, y_run, z_run, activation, m, n)
+    _helion.run(kernel, args, key, a.device)
+    _unpad(y, z, y_run, z_run)
     return y.view(out_shape), None if z is None else z.view(out_shape)
+
+
+def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+              ) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """The forward for arguments of this signature (a plan's binding): the kernel, its config and its compiled
+    function found once; ``run(a, b, bias, activation, keep_pre)``. Empty products and K = 0 launch no kernel and
+    keep the general path."""
+    _check(a, b, activation)
+    a3, b3 = _batched(_readable(a)), _batched(_readable(b))
+    nb, m, k = a3.shape
+    n = b3.shape[2]
+    if nb * m * n == 0 or k == 0:  # no kernel: nothing to bind
+        return matmul_fwd
+    keep = keep_pre and activation is not None
+    dtype, device, out_shape = a.dtype, a.device, (*a.shape[:-1], n)
+    y = torch.empty((nb, m, n), dtype=dtype, device=device)
+    a3, b3, bias, y_run, z_run = _padded(a3, b3, bias, y, torch.empty_like(y) if keep else None)
+    kernel, args, key = _launch_args(a3, b3, bias, y_run, z_run, activation, m, n)
+    fn, launcher = _helion.bind(kernel, args, key, device)
+    upcast, a_t, b_t = args[6:]
+
+    def run(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
+            ) -> tuple[Tensor, Tensor | None]:
+        y = torch.empty((nb, m, n), dtype=dtype, device=device)
+        z = torch.empty_like(y) if keep else None
+        a3, b3, bias, y_run, z_run = _padded(_batched(_readable(a)), _batched(_readable(b)), bias, y, z)
+        fn(a3.transpose(1, 2) if a_t else a3, b3.transpose(1, 2) if b_t else b3, bias, y_run, z_run, activation,
+           upcast, a_t, b_t, _launcher=launcher)
+        _unpad(y, z, y_run, z_run)
+        return y.view(out_shape), None if z is None else z.view(out_shape)
+    return run
+
+
+# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+matmul_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 
 
 def matmul_act_bwd(dy: Tensor, z: Tensor, activation: str) -> Tensor:
