@@ -295,7 +295,7 @@ def test_attention_more_than_2_31_elements(backend, device):
 
 def _break_helion_compiles(monkeypatch) -> None:
     """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled
-    (hkernels/ops/_helion.py's compiled, rope's own launcher). Auto's measured table is set aside, so auto picks Helion
+    (hkernels/ops/_helion.py's compiled, rope's own ``_compiled_for``). Auto's measured table is set aside, so auto picks Helion
     first: a GPU's table may pick Triton (sm90's does for matmul, small rope and small linear-CE calls), where no
     Helion kernel would run and nothing would be tested."""
     from hkernels import dispatch
@@ -305,7 +305,7 @@ def _break_helion_compiles(monkeypatch) -> None:
         raise RuntimeError("simulated Helion compile failure")
 
     monkeypatch.setattr(_helion, "compiled", broken)
-    monkeypatch.setattr(rope, "_launch", broken)
+    monkeypatch.setattr(rope, "_compiled_for", broken)
     monkeypatch.setattr(dispatch, "_bucket", lambda op, tensors: None)
     dispatch._forget_routes()  # routes remembered from the table would skip the patched _bucket
 

@@ -29,8 +29,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback import _plan
-from triton_fallback._launch import helion_launcher, interpreted
+from triton_fallback._launch import bound_launcher
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -90,18 +89,6 @@ def _stride_kind(st: int) -> int:
 _COMPILED: dict[tuple[object, ...], Callable[..., None]] = {}
 
 
-def _launch(args: tuple[object, ...], n: int, device: torch.device) -> None:
-    fn = _plan.recall(_rope)  # a replayed plan: the function it compiled (see triton_fallback/_plan.py)
-    if fn is None:
-        fn = _compiled_for(args, n, device)
-        _plan.keep(_rope, fn)
-    if device.type == "cuda":
-        fn(*args, _launcher=helion_launcher)
-    else:
-        with interpreted():  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
-            fn(*args)
-
-
 def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Callable[..., None]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     config = _helion.config_for("_rope", n, device, tensors[0].dtype)
@@ -125,46 +112,73 @@ def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Cal
     return fn
 
 
-def _rope_run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool
+          ) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The rotation for arguments of this signature: its views, copies and compiled function found once;
+    ``run(x_q, x_k, cos, sin)``."""
     B, Hq, S, D = x_q.shape
     Hk = x_k.shape[1]
     assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
     assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
-    qo = torch.empty((B, Hq, S, D), dtype=x_q.dtype, device=x_q.device)
-    ko = torch.empty((B, Hk, S, D), dtype=x_k.dtype, device=x_k.device)
+    dq, dk, device = x_q.dtype, x_k.dtype, x_q.device
     T = B * S
     if T == 0:
-        return qo, ko
+        def empty(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+            return (torch.empty((B, Hq, S, D), dtype=dq, device=device),
+                    torch.empty((B, Hk, S, D), dtype=dk, device=device))
+        return empty
     # Helion picks 32-bit offsets from element counts; a view into a larger buffer (q sliced out of a fused qkv
     # projection) can reach past 2^31 with fewer elements: such an input is copied first.
-    if _max_offset(x_q) > _INT32_LIMIT and x_q.numel() <= _INT32_LIMIT:
-        x_q = x_q.contiguous()
-    if _max_offset(x_k) > _INT32_LIMIT and x_k.numel() <= _INT32_LIMIT:
-        x_k = x_k.contiguous()
+    copy_q = _max_offset(x_q) > _INT32_LIMIT and x_q.numel() <= _INT32_LIMIT
+    copy_k = _max_offset(x_k) > _INT32_LIMIT and x_k.numel() <= _INT32_LIMIT
     half = D // 2
-    q5, k5, qo5, ko5 = (t.unflatten(-1, (2, half)) for t in (x_q, x_k, qo, ko))
-    c4, s4 = (t.contiguous().unflatten(-1, (2, half)).expand(B, S, 2, half) for t in (cos, sin))
-    if half == 1:
-        # Head dim 2: Helion 1.5.0's code for halves of one element does not compile when Triton also specialises
-        # every other size to 1 (it stores a [1, 1, 1, 1] block reshaped to a scalar). Each half is seen as two
-        # lanes over one element (stride 0): they load it twice and store one value twice.
-        q5, k5, qo5, ko5, c4, s4 = (t.expand(*t.shape[:-1], 2) for t in (q5, k5, qo5, ko5, c4, s4))
-    if S < B:
-        # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two
-        # swap roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout).
-        q5, k5, qo5, ko5 = (t.transpose(0, 2) for t in (q5, k5, qo5, ko5))
-        c4, s4 = (t.transpose(0, 1) for t in (c4, s4))
-    _launch((q5, k5, c4, s4, qo5, ko5, backward), T, x_q.device)
-    return qo, ko
+    # Head dim 2: Helion 1.5.0's code for halves of one element does not compile when Triton also specialises
+    # every other size to 1 (it stores a [1, 1, 1, 1] block reshaped to a scalar). Each half is seen as two lanes
+    # over one element (stride 0): they load it twice and store one value twice.
+    lanes = 2 if half == 1 else half
+    # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two swap
+    # roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout).
+    swap = S < B
+
+    def views(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, qo: Tensor, ko: Tensor) -> tuple[object, ...]:
+        if copy_q:
+            x_q = x_q.contiguous()
+        if copy_k:
+            x_k = x_k.contiguous()
+        q5, k5, qo5, ko5 = (t.view(*t.shape[:3], 2, half) for t in (x_q, x_k, qo, ko))
+        c4, s4 = (t.contiguous().view(t.shape[0], S, 2, half).expand(B, S, 2, half) for t in (cos, sin))
+        if lanes != half:
+            q5, k5, qo5, ko5, c4, s4 = (t.expand(*t.shape[:-1], lanes) for t in (q5, k5, qo5, ko5, c4, s4))
+        if swap:
+            q5, k5, qo5, ko5 = (t.transpose(0, 2) for t in (q5, k5, qo5, ko5))
+            c4, s4 = c4.transpose(0, 1), s4.transpose(0, 1)
+        return q5, k5, c4, s4, qo5, ko5, backward
+
+    qo = torch.empty((B, Hq, S, D), dtype=dq, device=device)
+    ko = torch.empty((B, Hk, S, D), dtype=dk, device=device)
+    fn = _compiled_for(views(x_q, x_k, cos, sin, qo, ko), T, device)
+    launcher = bound_launcher()
+
+    def run(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        qo = torch.empty((B, Hq, S, D), dtype=dq, device=device)
+        ko = torch.empty((B, Hk, S, D), dtype=dk, device=device)
+        fn(*views(x_q, x_k, cos, sin, qo, ko), _launcher=launcher)
+        return qo, ko
+    return run
 
 
 def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """q: [B, Hq, S, D], k: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (q_rot, k_rot),
     contiguous, in q's and k's dtype."""
-    return _rope_run(q, k, cos, sin, backward=False)
+    return _bind(q, k, cos, sin, False)(q, k, cos, sin)
 
 
 def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """dq_rot: [B, Hq, S, D], dk_rot: [B, Hk, S, D] (unit stride along D), cos, sin: [1 or B, S, D] -> (dq, dk),
     contiguous, in dq_rot's and dk_rot's dtype."""
-    return _rope_run(dq_rot, dk_rot, cos, sin, backward=True)
+    return _bind(dq_rot, dk_rot, cos, sin, True)(dq_rot, dk_rot, cos, sin)
+
+
+# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+rope_fwd.bind = lambda q, k, cos, sin: _bind(q, k, cos, sin, False)  # type: ignore[attr-defined]
+rope_bwd.bind = lambda dq, dk, cos, sin: _bind(dq, dk, cos, sin, True)  # type: ignore[attr-defined]
