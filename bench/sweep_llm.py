@@ -1,8 +1,8 @@
 """python -m bench sweep-llm: time candidate launch settings of the LLM-op kernels on this GPU.
 
-The tool that the shipped settings of cross_entropy (Helion table, Triton _settings), softmax's long rows, the chunk
-length of fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention backward's settings are chosen
-with.
+The tool that the shipped settings of cross_entropy (Helion table, Triton _settings), softmax's long rows (both
+backends), the chunk length of fused_linear_cross_entropy, Helion's matmul tiles and the Triton attention
+backward's settings are chosen with.
 bf16, Llama-3 shapes; it times the backend functions themselves (no dispatcher) with one candidate forced at a
 time, prints the best per family and saves every timing as JSON. Compute-bound families report TFLOP/s
 ("tflops") in place of the memory-bound families' % of copy ("pct_copy").
@@ -89,6 +89,32 @@ def _triton_split_rows(cand: Candidate) -> Callable[[], None]:
     return undo
 
 
+def _helion_split_rows(cand: Candidate) -> Callable[[], None]:
+    """The same settings for Helion's split-row softmax kernels: their buckets' chunk, lag, programs per SM and
+    warps, forward and backward."""
+    from hkernels.ops import _helion
+
+    saved = _helion._bucket
+    bucket = {"max_n": None, "chunk": cand["block"], "lag": cand["lag"], "programs_per_sm": cand["per_sm"],
+              "config": {"num_warps": cand["warps"], "pid_type": "flat"}}
+
+    def patched(arch: str, kernel: str, n: int, dtype: torch.dtype) -> dict[str, Any]:
+        return bucket if kernel in ("_softmax_fwd_split", "_softmax_bwd_split") else saved(arch, kernel, n, dtype)
+
+    def reset() -> None:
+        _helion._config.cache_clear()
+        _helion._compiled.clear()  # compiled functions are kept by arguments, not by config
+
+    _helion._bucket = patched
+    reset()
+
+    def undo() -> None:
+        _helion._bucket = saved
+        reset()
+
+    return undo
+
+
 def _split_candidates() -> list[Candidate]:
     return [
         {"block": b, "warps": w, "lag": lag, "per_sm": p}
@@ -98,6 +124,7 @@ def _split_candidates() -> list[Candidate]:
 
 
 def _softmax_long(m: int, n: int, device: torch.device) -> Iterator[Family]:
+    import hkernels.ops.softmax as h_sm
     import triton_fallback.softmax as t_sm
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -109,6 +136,10 @@ def _softmax_long(m: int, n: int, device: torch.device) -> Iterator[Family]:
            _triton_split_rows)
     yield ("triton softmax bwd (split rows)", lambda: t_sm.softmax_bwd(dy, y), nbytes * 3 // 2, _split_candidates(),
            _triton_split_rows)
+    yield ("helion softmax fwd (split rows)", lambda: h_sm.softmax_fwd(x), nbytes, _split_candidates(),
+           _helion_split_rows)
+    yield ("helion softmax bwd (split rows)", lambda: h_sm.softmax_bwd(dy, y), nbytes * 3 // 2, _split_candidates(),
+           _helion_split_rows)
 
 
 def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
