@@ -295,8 +295,8 @@ def test_attention_more_than_2_31_elements(backend, device):
 
 def _break_helion_compiles(monkeypatch) -> None:
     """Every Helion kernel fails where it would compile: in the two places Helion kernels are compiled
-    (hkernels/ops/_helion.py's compiled, rope's own ``_compiled_for``). Auto's measured table is set aside, so auto picks Helion
-    first: a GPU's table may pick Triton (sm90's does for matmul, small rope and small linear-CE calls), where no
+    (hkernels/ops/_helion.py's compiled, rope's ``_compiled_for``). Auto's measured table is set aside, so auto picks
+    Helion first: a GPU's table may pick Triton (sm90's does for matmul, small rope and small linear-CE calls), where no
     Helion kernel would run and nothing would be tested."""
     from hkernels import dispatch
     from hkernels.ops import _helion, rope
