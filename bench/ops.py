@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import hkernels
 from hkernels import references
 from hkernels.tune import cases
-from hkernels.tune.cases import FLCE_VOCAB, HEAD_DIM, KV_HEADS, Make, Shape
+from hkernels.tune.cases import FLCE_VOCAB, HEAD_DIM, KV_HEADS, SMALL_HEAD_DIM, Make, Shape
 
 Tensor = torch.Tensor
 
@@ -164,14 +164,30 @@ def _matmul_shapes(act: bool) -> Callable[[str], list[Shape]]:
     return shapes
 
 
-def _attention_shapes(preset: str) -> list[Shape]:
-    """Sequences of 1k-16k at 16384 tokens per batch (B = 16384 / S), 32 heads of 128 (Llama-3 8B's queries; 64
-    for 70B); for decode, one sequence of 1 and of 64 tokens (the per-call latency of a short prompt). None for
-    other models."""
-    seqs = {"llama3": (1024, 2048, 4096, 8192, 16384), "llama3-8b": (1024, 4096, 16384),
-            "llama3-70b": (4096, 16384), "prefill": (4096, 16384), "decode": (1, 64)}
-    width = 8192 if preset == "llama3-70b" else 4096
-    return [(s, width, 1 if preset == "decode" else max(1, 16384 // s)) for s in seqs.get(preset, ())]
+def _attention_shapes(head_dim: int) -> Callable[[str], list[Shape]]:
+    """Sequences of 1k-16k at 16384 tokens per batch (B = 16384 / S), 32 heads of ``head_dim`` (Llama-3 8B's
+    queries at 128, Llama-3.2 1B's at 64; 64 heads for 70B); for decode, one sequence of 1 and of 64 tokens (the
+    per-call latency of a short prompt). None for other models."""
+
+    def shapes(preset: str) -> list[Shape]:
+        seqs = {"llama3": (1024, 2048, 4096, 8192, 16384), "llama3-8b": (1024, 4096, 16384),
+                "llama3-70b": (4096, 16384), "prefill": (4096, 16384), "decode": (1, 64)}
+        width = (64 if preset == "llama3-70b" else 32) * head_dim
+        return [(s, width, 1 if preset == "decode" else max(1, 16384 // s)) for s in seqs.get(preset, ())]
+
+    return shapes
+
+
+def _attention_bench(name: str, causal: bool, head_dim: int) -> OpBench:
+    """SDPA (whichever backend it picks) as eager, and SDPA with its flash and cuDNN backends forced as peers."""
+    return _bench(
+        name,
+        eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        ref=lambda q, k, v: references.attention(q, k, v, causal=causal),
+        dim="hidden", flops_fn=_attention_flops(causal), compile=False, shapes=_attention_shapes(head_dim),
+        ref_view=_head0,
+        peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", causal), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", causal)},
+    )
 
 
 def _bench(name: str, **fields: Any) -> OpBench:
@@ -249,20 +265,10 @@ OPS: dict[str, OpBench] = {
         ref=lambda a, b, bias: references.matmul(a, b, bias, "gelu_tanh"),
         dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
     ),
-    "attention": _bench(
-        "attention",
-        eager=F.scaled_dot_product_attention,  # whichever backend SDPA picks
-        ref=references.attention,
-        dim="hidden", flops_fn=_attention_flops(False), compile=False, shapes=_attention_shapes, ref_view=_head0,
-        peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", False), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", False)},
-    ),
-    "attention_causal": _bench(
-        "attention_causal",
-        eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        ref=lambda q, k, v: references.attention(q, k, v, causal=True),
-        dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes, ref_view=_head0,
-        peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", True), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", True)},
-    ),
+    "attention": _attention_bench("attention", False, HEAD_DIM),
+    "attention_causal": _attention_bench("attention_causal", True, HEAD_DIM),
+    "attention_d64": _attention_bench("attention_d64", False, SMALL_HEAD_DIM),
+    "attention_d64_causal": _attention_bench("attention_d64_causal", True, SMALL_HEAD_DIM),
 }
 for _name, _fn in LIGER.items():
     OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})

@@ -252,9 +252,9 @@ def _attention_bwd(device: torch.device) -> Iterator[Family]:
         saved = t_at.attention_settings
         state["causal"] = cand["causal"]
 
-        def settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> Any:
+        def settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, tma: bool = True) -> Any:
             if kernel == "fwd":
-                return saved(head_dim, dtype, causal, kernel)
+                return saved(head_dim, dtype, causal, kernel, tma)
             bm, bn, w, st = cand[kernel] if cand[kernel] else cand["dkdv"]
             return t_at.AttentionSettings(bm, bn, w, st, dq_atomic=cand["dq_atomic"])
 

@@ -238,8 +238,8 @@ def test_attention_triton_dq_atomics(causal, device, monkeypatch):
 
     shipped = t_attention.attention_settings
 
-    def with_atomics(head_dim, dtype, causal, kernel):
-        s = shipped(head_dim, dtype, causal, kernel)
+    def with_atomics(head_dim, dtype, causal, kernel, tma=True):
+        s = shipped(head_dim, dtype, causal, kernel, tma)
         return dataclasses.replace(s, dq_atomic=True) if kernel == "dkdv" else s
 
     monkeypatch.setattr(t_attention, "attention_settings", with_atomics)

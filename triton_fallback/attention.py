@@ -436,25 +436,27 @@ class AttentionSettings:
     dq_atomic: bool = False  # backward: dq by float32 atomics from the dk/dv kernel (else the separate dq kernel)
 
 
-def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str) -> AttentionSettings:
+def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str,
+                       tma: bool = True) -> AttentionSettings:
     """Launch settings for one kernel: ``kernel`` is "fwd", "dkdv" (backward over key blocks) or "dq" (backward
     over query blocks, run when the dkdv settings say ``dq_atomic=False``: always, as shipped); the delta pre-pass
-    has fixed settings. The same for causal and not. dq comes from the separate, bitwise reproducible dq kernel,
-    which is also the faster (see bench/results/h200/README.md).
+    has fixed settings. ``tma``: the tensors take TMA descriptors (else masked pointer loads). dq comes from the
+    separate, bitwise reproducible dq kernel, which is also the faster (see bench/results/h200/README.md).
 
     Interpreter (CPU): programs run one after another, numpy does the tile math; small tiles with BLOCK_M ≠
     BLOCK_N keep a [1, 2, 100, 64] test under a second and exercise every loop (full blocks, tails, diagonal).
 
-    sm_90 (bf16/fp16), chosen by reasoning and the sm_90 compile check (ptxas: no register spills for D = 16 to
-    128, causal or not, GQA or not, TMA or pointer loads; shared memory ≤ 165 KB of 227), the backward's by a sweep
-    (see the dkdv branch):
-    - fwd: BLOCK_M 128 query rows (one warpgroup per 64 rows at D = 128: 8 warps; 4 at D ≤ 64), BLOCK_N 64 (the
-      [128, 64] float32 scores beside the [128, D] accumulator: 143 registers at D = 128, 191 at D = 64),
-      3 stages of K/V in flight (132 KB at D = 128).
+    sm_90 (bf16/fp16), from a sweep of the forward's tiles, warps and stages against SDPA's cuDNN backend
+    (bench/results/h200/README.md) and, for the backward, ``python -m bench sweep-llm``; ptxas spills none:
+    - fwd, D = 128 with TMA: 128 × 128 tiles, 8 warps (one warpgroup per 64 query rows), 3 stages of K/V in
+      flight (225 KB of the 227 KB of shared memory; one program per SM). Through pointers (no TMA), whose
+      staging needs more shared memory, and for D ≤ 32: 128 × 64, 3 stages.
+    - fwd, D = 64: 64 query rows a program, 4 warps, 2 stages (two programs per SM), over 128 keys a step, or 64
+      when causal (the diagonal loop needs BLOCK_M a multiple of BLOCK_N).
     - dkdv: BLOCK_M 64 query rows a step; the key block holds dk, dv ([BLOCK_N, D] float32 each, the largest
       register cost): 128 rows (with dq atomics, 64 at D = 128: 128 rows spill there: 255 registers and 200+
       bytes of stack). 8 warps, 2 stages.
-    - dq: BLOCK_M 128, BLOCK_N 64, as the forward.
+    - dq: BLOCK_M 128, BLOCK_N 64, 3 stages (8 warps at D = 128, 4 below).
     float32 (tests only) multiplies without tensor cores (true float32 products): small tiles; ptxas spills there.
     """
     if kernel not in ("fwd", "dkdv", "dq"):
@@ -469,6 +471,10 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
             return AttentionSettings(32, 64, 8, 2)
         return AttentionSettings(64, 32, 8, 2)
     if kernel == "fwd":
+        if wide and tma:
+            return AttentionSettings(128, 128, 8, 3)
+        if head_dim == 64:
+            return AttentionSettings(64, 64 if causal else 128, 4, 2)
         return AttentionSettings(128, 64, 8 if wide else 4, 3)
     if kernel == "dkdv":
         # The separate dq kernel beside 64×128 dk/dv tiles: the fastest of ``python -m bench sweep-llm``'s candidates
@@ -540,8 +546,9 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
         return o, lse
     if Skv == 0:
         return o.zero_(), lse.fill_(-float("inf"))  # no keys: zeros, as torch's SDPA
-    s = attention_settings(D, q.dtype, causal, "fwd")
-    tma = s.tma and _tma_ok(q, k, v, o)
+    tma = _tma_ok(q, k, v, o)
+    s = attention_settings(D, q.dtype, causal, "fwd", tma)
+    tma = tma and s.tma
     grid = (B * Hq * cdiv(S, s.block_m),)
     launch(_attention_fwd_kernel, grid,
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(o, s.block_m, tma), lse,

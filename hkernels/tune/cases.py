@@ -5,8 +5,8 @@ Every op is measured at a shape (M, N, K). For the memory-bound ops K is 0 and M
 the op works over (hidden size, MLP intermediate size or vocabulary; for rope, the hidden size, as heads of 128; for
 fused_linear_cross_entropy, the hidden size, with Llama-3's vocabulary of 128256). For matmul, a [M, K] activation
 times a [N, K] weight, transposed (``x @ weight.t()``, as nn.Linear computes it). For attention, M is the sequence
-length S, N the width Hq·D of the queries (heads of D = 128; as many key/value heads as query heads) and K the
-batch B.
+length S, N the width Hq·D of the queries (heads of D = 128, or 64 for the ``_d64`` variants; as many key/value
+heads as query heads) and K the batch B.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import hkernels
 Tensor = torch.Tensor
 
 HEAD_DIM, KV_HEADS = 128, 8  # Llama-3 attention: 128-wide heads, 8 key/value heads (GQA)
+SMALL_HEAD_DIM = 64  # the _d64 attention variants: Llama-3.2 1B's, GPT-2's and gpt-oss's head width
 FLCE_VOCAB = 128256  # Llama-3's vocabulary: the linear loss's weight is [FLCE_VOCAB, N]
 
 Make = Callable[[int, int, int, torch.dtype, torch.device, torch.Generator], list[Tensor]]
@@ -92,9 +93,12 @@ def _matmul(bias: bool) -> Make:
     return make
 
 
-def _attention(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
-    shape = (k, n // HEAD_DIM, m, HEAD_DIM)  # [B, H, S, D]
-    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
+def _attention(head_dim: int) -> Make:
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        shape = (k, n // head_dim, m, head_dim)  # [B, H, S, D]
+        return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
+
+    return make
 
 
 OPS: dict[str, OpInputs] = {
@@ -113,8 +117,12 @@ OPS: dict[str, OpInputs] = {
         OpInputs("matmul", _matmul(False), (0, 1), hkernels.matmul),
         # bias + tanh-gelu in the matmul's epilogue
         OpInputs("matmul_gelu", _matmul(True), (0, 1, 2), lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh")),
-        OpInputs("attention", _attention, (0, 1, 2), hkernels.attention),
-        OpInputs("attention_causal", _attention, (0, 1, 2), lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+        OpInputs("attention", _attention(HEAD_DIM), (0, 1, 2), hkernels.attention),
+        OpInputs("attention_causal", _attention(HEAD_DIM), (0, 1, 2),
+                 lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+        OpInputs("attention_d64", _attention(SMALL_HEAD_DIM), (0, 1, 2), hkernels.attention),
+        OpInputs("attention_d64_causal", _attention(SMALL_HEAD_DIM), (0, 1, 2),
+                 lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
     )
 }
 
