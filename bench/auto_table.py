@@ -11,7 +11,9 @@ a call wins, so buckets are written by ascending n, then ascending rows. A later
 one's numbers for the same shape entirely (give the newest last); consecutive files of one folder count as one run
 (their numbers join, per backend: keep one run per folder). Files of python -m bench latency count too:
 --gpu-time rows as GPU time of their mode, host-loop rows as per-call latency. Which calls are judged by latency,
-and the buckets themselves, are the tune command's rules (hkernels.tune.auto).
+and the buckets themselves, are the tune command's rules (hkernels.tune.auto). attention's forward also gets
+buckets of its own from the forward's times alone (``"attention:attention_fwd"``): a call that needs no gradient
+runs the faster forward, and a training step the faster forward and the faster backward.
 """
 
 from __future__ import annotations
@@ -25,17 +27,25 @@ from typing import Any
 
 from bench import cli
 from hkernels.tune.auto import buckets, host_bound
-from hkernels.tune.cases import HEAD_DIM
+from hkernels.tune.cases import HEAD_DIM, SMALL_HEAD_DIM
+
+# Ops whose forward gets buckets of its own (``"<op>:<op>_fwd"``, from the forward's times alone; the dispatcher
+# routes the forward and the backward apart, and their saved tensors mean the same on both backends). The op's own
+# buckets, from the sum of every mode, route its backward.
+_FORWARD_APART = ("attention",)
 
 # Benchmark rows that are variants of one op: they share the op's buckets (times are summed).
-_OP_OF = {"attention_causal": "attention", "matmul_gelu": "matmul"}
+_OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
+          "matmul_gelu": "matmul"}
 
 
-def dispatch_shape(op: str, m: int, n: int, k: int) -> tuple[int, int]:
-    """(rows, n) of the op's first tensor for a benchmark row at (M, N, K); see bench/ops.py for what M, N, K are."""
+def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
+    """(rows, n) of the op's first tensor for a benchmark row of ``bench_op`` at (M, N, K); see bench/ops.py for
+    what M, N, K are."""
+    op = _OP_OF.get(bench_op, bench_op)
     if op in ("rope", "attention"):
-        heads = n // HEAD_DIM
-        return m * heads * max(k, 1), HEAD_DIM  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
+        head_dim = SMALL_HEAD_DIM if bench_op.startswith("attention_d64") else HEAD_DIM
+        return m * (n // head_dim) * max(k, 1), head_dim  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
     if op == "matmul":
         return m, k  # a [M, K]
     return m, n
@@ -76,7 +86,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
             if row["backend"] not in ("helion", "triton") or row.get("error") or row["mode"] == "bwd":
                 continue
             op = _OP_OF.get(row["op"], row["op"])
-            rows, n = dispatch_shape(op, row["m"], row["n"], row.get("k", 0))
+            rows, n = dispatch_shape(row["op"], row["m"], row["n"], row.get("k", 0))
             score = _score(row, host_bound(rows, n, op))
             if score:
                 fresh[(op, rows, n, row["op"], row["mode"])][row["backend"]] = score
@@ -89,16 +99,27 @@ def build(paths: list[Path]) -> dict[str, Any]:
         cells.update(per_cell)
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
-        points = []
-        for (o, rows, n), measured in cells.items():
-            if o == op:
-                unit = "µs per call" if host_bound(rows, n, op) else "ms"
-                modes = " + ".join(sorted(f"{v} {m}" for v, m in measured))
-                points.append((rows, n, sum(v["helion"] for v in measured.values()),
-                               sum(v["triton"] for v in measured.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))
-        table[op] = buckets(points, exact_n=False)
+        table[op] = buckets(_points(cells, op), exact_n=False)
+        fwd = _points(cells, op, "fwd") if op in _FORWARD_APART else []
+        if fwd:
+            table[f"{op}:{op}_fwd"] = buckets(fwd, exact_n=False)
     return {"_about": "auto's backend per op and shape bucket, from python -m bench auto-table "
                       f"{' '.join(str(p) for p in paths)}", **table}
+
+
+def _points(cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]], op: str,
+            mode: str | None = None) -> list[tuple[Any, ...]]:
+    """The measured points of ``op`` for tune's ``buckets``: per shape, each backend's time summed over the modes
+    measured (only ``mode``'s, if given)."""
+    points = []
+    for (o, rows, n), measured in cells.items():
+        chosen = {key: v for key, v in measured.items() if mode is None or key[1] == mode}
+        if o == op and chosen:
+            unit = "µs per call" if host_bound(rows, n, op) else "ms"
+            modes = " + ".join(sorted(f"{v} {m}" for v, m in chosen))
+            points.append((rows, n, sum(v["helion"] for v in chosen.values()),
+                           sum(v["triton"] for v in chosen.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))
+    return points
 
 
 def main(argv: list[str] | None = None) -> int:

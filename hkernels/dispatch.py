@@ -265,7 +265,7 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
         failure = (_helion_failures.get(_signature(fn, tensors)) if fn is not None
                    else _helion_failed_rows.get(_row_signature(op, tensors)))
         if failure is None:
-            measured = _measured_choice(op, tensors) if triton_ok else None
+            measured = _measured_choice(op, tensors, fn) if triton_ok else None
             if measured is not None:
                 return measured
             return "helion", "auto: helion (the primary backend; no measurement for this arch and shape)"
@@ -292,8 +292,10 @@ def _routed_tensor(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return tensors[0]
 
 
-def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, Any]] | None:
-    """(arch, the auto-table bucket covering this call) or None (CPU tensors, or nothing measured)."""
+def _bucket(op: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(arch, the auto-table bucket covering this call) or None (CPU tensors, or nothing measured). A table may
+    give one of an op's functions buckets of its own (key ``"<op>:<fn>"``, e.g. attention's forward, measured
+    alone, where the op's buckets sum forward and forward+backward); the user's tuned buckets still come first."""
     t = tensors[0]
     if t.is_cuda:
         arch = configs.cuda_arch(t.device)
@@ -301,7 +303,11 @@ def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, 
         arch = "interpret"  # nothing shipped; a user table there lets the tests exercise this path on a CPU
     else:
         return None
-    buckets = configs.auto_table(arch).get(op)
+    table = configs.auto_table(arch)
+    buckets = table.get(op, ())
+    own = table.get(f"{op}:{fn}", ()) if fn is not None else ()
+    if own:
+        buckets = tuple(b for source in ("tuned", "shipped") for b in (*own, *buckets) if b["source"] == source)
     if not buckets:
         return None
     rows, n = _shape_key(tensors)
@@ -312,8 +318,8 @@ def _bucket(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, dict[str, 
     return None
 
 
-def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[str, str] | None:
-    found = _bucket(op, tensors)
+def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, str] | None:
+    found = _bucket(op, tensors, fn)
     if found is None:
         return None
     arch, bucket = found

@@ -54,3 +54,23 @@ def test_auto_table_judges_small_rope_calls_by_their_latency(tmp_path):
     assert not host_bound(256, 4096) and not host_bound(4096 * 32, 128)
     # matmul's rows are M of [M, K]: its N (here a vocabulary) is GPU work the element rule would not see
     assert host_bound(64, 4096, "matmul") and not host_bound(128, 2048, "matmul")
+
+
+def test_auto_table_gives_attention_forward_buckets_of_its_own(tmp_path):
+    """attention's forward is routed apart from its backward: its own buckets come from forward times alone,
+    the op's from the sum of every mode (which routes the backward); a head dim of 64 buckets at n = 64
+    (rows = B·H·S = 8·32·2048)."""
+    rows = []
+    for op, (fwd_h, fwd_t), (both_h, both_t) in (("attention_d64", (0.72, 0.68), (2.90, 3.22)),
+                                                 ("attention", (2.33, 2.32), (9.57, 10.02))):
+        m, n, k = (2048, 2048, 8) if op.endswith("d64") else (4096, 4096, 4)
+        for mode, h, t in (("fwd", fwd_h, fwd_t), ("fwd_bwd", both_h, both_t)):
+            rows += [{"op": op, "m": m, "n": n, "k": k, "mode": mode, "backend": b, "ms": ms}
+                     for b, ms in (("helion", h), ("triton", t))]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    table = auto_table.build([tmp_path / "results.json"])
+    assert [(b["max_n"], b["backend"]) for b in table["attention"]] == [(64, "helion"), (None, "helion")]
+    # D = 128: Triton's forward is faster by less than the margin, so the primary backend keeps it
+    fwd = table["attention:attention_fwd"]
+    assert [(b["max_n"], b["backend"]) for b in fwd] == [(64, "triton"), (None, "helion")]
+    assert fwd[0]["measured"].endswith("(attention_d64 fwd)") and "rows=524288 n=64" in fwd[0]["measured"]

@@ -403,6 +403,29 @@ def test_a_loss_backward_runs_where_its_forward_did_under_auto(user_auto_table, 
     torch.testing.assert_close(logits.grad.double(), want, atol=1e-5, rtol=1e-4)
 
 
+def test_attention_forward_follows_buckets_of_its_own_under_auto(user_auto_table, monkeypatch, device):
+    """A table may route one function of an op apart ("attention:attention_fwd"): the forward runs on Triton, the
+    backward on the op's bucket (Helion), and the output and gradients are those of the reference."""
+    user_auto_table('{"attention:attention_fwd": [{"max_rows": null, "max_n": null, "backend": "triton", '
+                    '"measured": "fwd: t"}], "attention": [{"max_rows": null, "max_n": null, "backend": "helion", '
+                    '"measured": "fwd + fwd_bwd: h"}]}')
+    q, k, v = (torch.randn(1, 2, 24, 16, device=device, requires_grad=True) for _ in range(3))
+    fwd_t = _spy(monkeypatch, "triton", "attention", "attention_fwd")
+    fwd_h = _spy(monkeypatch, "helion", "attention", "attention_fwd")
+    bwd_t = _spy(monkeypatch, "triton", "attention", "attention_bwd")
+    bwd_h = _spy(monkeypatch, "helion", "attention", "attention_bwd")
+    out = hkernels.attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    assert (fwd_t, fwd_h, bwd_t, bwd_h) == ([1], [], [], [1])
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = references.attention(*leaves, causal=True)
+    want.backward(torch.ones_like(want))
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
+    assert hkernels.selected_backend("attention", q, k, v) == "helion"  # the op's bucket
+
+
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
     """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails
     too, Triton's error is what the caller sees."""
