@@ -306,7 +306,7 @@ def _break_helion_compiles(monkeypatch) -> None:
 
     monkeypatch.setattr(_helion, "compiled", broken)
     monkeypatch.setattr(rope, "_compiled_for", broken)
-    monkeypatch.setattr(dispatch, "_bucket", lambda op, tensors: None)
+    monkeypatch.setattr(dispatch, "_bucket", lambda op, tensors, fn=None: None)
     dispatch._forget_routes()  # routes remembered from the table would skip the patched _bucket
 
 
