@@ -23,13 +23,31 @@ import torch
 from hkernels.ops import _helion
 
 Tensor = torch.Tensor
+LOG2E = 1.4426950408889634
 
 
 @helion.kernel(static_shapes=False)
 def _cross_entropy_fwd(
-    logits: Tensor, target: Tensor, scale: Tensor, grad: Tensor | None, ignore_index: int, smoothing: float
+    logits: Tensor,
+    flat: Tensor,
+    target: Tensor,
+    scale: Tensor,
+    grad: Tensor | None,
+    row_stride: int,
+    ignore_index: int,
+    smoothing: float,
+    smooth: hl.constexpr,
+    xt_load: hl.constexpr,
 ) -> Tensor:
-    # logits [T, V], target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given.
+    # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
+    # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
+    # smoothing ≠ 0 (Σx is only summed then). xt_load: x[target] by one load per row, for a gradient that does not
+    # overwrite the logits; else picked out of pass 1 in passing (a compare per element): a load could be served
+    # after another warp's pass-2 store over x[target] (Triton's twin orders them with a CTA barrier, which Helion
+    # does not offer).
+    # Per element, pass 1 costs a max, a subtract, a multiply, one exp2 and an add (plus Helion's selects of the
+    # partial last block's lanes): exp is written as exp2 of x·log2 e, one MUFU op where libdevice's exp takes a
+    # dozen instructions and makes the pass compute-bound.
     t_rows, v = logits.size()
     v = hl.specialize(v)
     loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
@@ -38,35 +56,40 @@ def _cross_entropy_fwd(
         valid = tgt != ignore_index
         in_range = (tgt >= 0) & (tgt < v)
         row_max = hl.full([tile_t], float("-inf"), dtype=torch.float32)
-        row_sum = hl.zeros([tile_t], dtype=torch.float32)
+        row_sum = hl.zeros([tile_t], dtype=torch.float32)  # Σ exp2((x − row_max)·log2 e)
         x_sum = hl.zeros([tile_t], dtype=torch.float32)
         x_t = hl.zeros([tile_t], dtype=torch.float32)
+        if xt_load:
+            at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
+            x_t = hl.load(flat, [at]).to(torch.float32)
         for tile_v in hl.tile(v):
-            inside = (tile_v.index < v)[None, :]
-            x = torch.where(inside, logits[tile_t, tile_v].to(torch.float32), float("-inf"))
+            # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
+            x = logits[tile_t, tile_v].to(torch.float32)
             new_max = torch.maximum(row_max, torch.amax(x, dim=-1))
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-            row_sum = row_sum * torch.exp(row_max - shift) + torch.sum(torch.exp(x - shift[:, None]), dim=-1)
+            p = torch.exp2((x - shift[:, None]) * LOG2E)
+            row_sum = row_sum * torch.exp2((row_max - shift) * LOG2E) + torch.sum(p, dim=-1)
             row_max = new_max
-            x_sum = x_sum + torch.sum(torch.where(inside, x, 0.0), dim=-1)
-            # x_t picked out in passing (a compare per element) rather than by a gathered load
-            x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
+            if smooth:
+                x_sum = x_sum + torch.sum(x, dim=-1)
+            if not xt_load:
+                x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
         lse = row_max + torch.log(row_sum)
-        # Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it 0·(-inf) = NaN
-        # where PyTorch's loss is finite or +inf.
         # Differences before scaling, as PyTorch's (1−ε)·(−log p_t) + ε·mean(−log p): lse − x_t cancels exactly where
         # it should (one logit: 0), where lse − (1−ε)·x_t − ε·mean(x) would leave an error of an ulp of |x| (large
-        # logits, V = 1).
-        smoothed = (hl.zeros([tile_t], dtype=torch.float32) + smoothing) != 0.0
-        row_loss = (1.0 - smoothing) * (lse - x_t) + torch.where(smoothed, smoothing * (lse - x_sum / v), 0.0)
+        # logits, V = 1). Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it
+        # 0·(-inf) = NaN where PyTorch's loss is finite or +inf.
+        row_loss = (1.0 - smoothing) * (lse - x_t)
+        if smooth:
+            row_loss = row_loss + smoothing * (lse - x_sum / v)
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
             for tile_w in hl.tile(v):
                 x = logits[tile_t, tile_w].to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
-                g = torch.exp(x - lse[:, None]) - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
+                g = torch.exp2((x - lse[:, None]) * LOG2E) - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
                 grad[tile_t, tile_w] = (g * s[:, None]).to(grad.dtype)
     return loss
 
@@ -97,7 +120,11 @@ def cross_entropy_fwd(
         if grad is not None:
             grad.copy_(grad2[:1])
         return loss[:1]
-    args = (logits, target, scale, grad, int(ignore_index), float(label_smoothing))
+    # one run of elements from the first row's start to the last row's end: x[target] of row r is at r·stride + t
+    flat = logits.as_strided(((T - 1) * logits.stride(0) + V,), (1,))
+    xt_load = grad is None or grad.data_ptr() != logits.data_ptr()
+    args = (logits, flat, target, scale, grad, logits.stride(0), int(ignore_index), float(label_smoothing),
+            label_smoothing != 0.0, xt_load)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
