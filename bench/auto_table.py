@@ -27,22 +27,18 @@ from typing import Any
 
 from bench import cli
 from hkernels.tune.auto import buckets, host_bound
-from hkernels.tune.cases import HEAD_DIM, SMALL_HEAD_DIM
+from hkernels.tune.cases import HEAD_DIM, OP_OF, SMALL_HEAD_DIM
 
 # Ops whose forward gets buckets of its own (``"<op>:<op>_fwd"``, from the forward's times alone; the dispatcher
 # routes the forward and the backward apart, and their saved tensors mean the same on both backends). The op's own
-# buckets, from the sum of every mode, route its backward.
+# buckets route its backward: they are built from the backward's time, forward+backward minus forward.
 _FORWARD_APART = ("attention",)
-
-# Benchmark rows that are variants of one op: they share the op's buckets (times are summed).
-_OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
-          "matmul_gelu": "matmul"}
 
 
 def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
     """(rows, n) of the op's first tensor for a benchmark row of ``bench_op`` at (M, N, K); see bench/ops.py for
     what M, N, K are."""
-    op = _OP_OF.get(bench_op, bench_op)
+    op = OP_OF.get(bench_op, bench_op)
     if op in ("rope", "attention"):
         head_dim = SMALL_HEAD_DIM if bench_op.startswith("attention_d64") else HEAD_DIM
         return m * (n // head_dim) * max(k, 1), head_dim  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
@@ -85,7 +81,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
         for row in data["rows"]:
             if row["backend"] not in ("helion", "triton") or row.get("error") or row["mode"] == "bwd":
                 continue
-            op = _OP_OF.get(row["op"], row["op"])
+            op = OP_OF.get(row["op"], row["op"])
             rows, n = dispatch_shape(row["op"], row["m"], row["n"], row.get("k", 0))
             score = _score(row, host_bound(rows, n, op))
             if score:
@@ -99,8 +95,9 @@ def build(paths: list[Path]) -> dict[str, Any]:
         cells.update(per_cell)
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
-        table[op] = buckets(_points(cells, op), exact_n=False)
-        fwd = _points(cells, op, "fwd") if op in _FORWARD_APART else []
+        apart = op in _FORWARD_APART
+        table[op] = buckets(_points(cells, op, backward=apart), exact_n=False)
+        fwd = _points(cells, op, "fwd") if apart else []
         if fwd:
             table[f"{op}:{op}_fwd"] = buckets(fwd, exact_n=False)
     return {"_about": "auto's backend per op and shape bucket, from python -m bench auto-table "
@@ -108,17 +105,27 @@ def build(paths: list[Path]) -> dict[str, Any]:
 
 
 def _points(cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]], op: str,
-            mode: str | None = None) -> list[tuple[Any, ...]]:
+            mode: str | None = None, backward: bool = False) -> list[tuple[Any, ...]]:
     """The measured points of ``op`` for tune's ``buckets``: per shape, each backend's time summed over the modes
-    measured (only ``mode``'s, if given)."""
+    measured (only ``mode``'s, if given). ``backward``: the backward's time instead, forward+backward minus forward
+    where a variant has both (its other modes as measured)."""
     points = []
     for (o, rows, n), measured in cells.items():
         chosen = {key: v for key, v in measured.items() if mode is None or key[1] == mode}
-        if o == op and chosen:
-            unit = "µs per call" if host_bound(rows, n, op) else "ms"
-            modes = " + ".join(sorted(f"{v} {m}" for v, m in chosen))
-            points.append((rows, n, sum(v["helion"] for v in chosen.values()),
-                           sum(v["triton"] for v in chosen.values()), f"rows={rows} n={n}", f"{unit} ({modes})"))
+        if o != op or not chosen:
+            continue
+        times = {b: 0.0 for b in ("helion", "triton")}
+        modes = []
+        for (variant, m), v in sorted(chosen.items()):
+            fwd = measured.get((variant, "fwd")) if backward and m == "fwd_bwd" else None
+            if backward and m == "fwd" and (variant, "fwd_bwd") in measured:
+                continue
+            for b in times:
+                times[b] += v[b] - (fwd[b] if fwd else 0.0)
+            modes.append(f"{variant} {m}{' − fwd' if fwd else ''}")
+        unit = "µs per call" if host_bound(rows, n, op) else "ms"
+        points.append((rows, n, times["helion"], times["triton"], f"rows={rows} n={n}",
+                       f"{unit} ({' + '.join(modes)})"))
     return points
 
 

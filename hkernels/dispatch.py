@@ -246,8 +246,10 @@ def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
 # ----------------------------------------------------------------------------------------------------- choosing
 
 
-def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, str]:
-    """(backend, why) for a call of ``op`` that asks for ``request``; raises if a named backend cannot run."""
+def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None,
+           bucket_fn: str | None = None) -> tuple[str, str]:
+    """(backend, why) for a call of ``op``'s function ``fn`` that asks for ``request``; raises if a named backend
+    cannot run. ``bucket_fn``: the function whose auto buckets decide when ``fn`` is not given."""
     if request != "auto":
         reason = unavailable_reason(op, request, tensors)
         if reason is None:
@@ -265,7 +267,7 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
         failure = (_helion_failures.get(_signature(fn, tensors)) if fn is not None
                    else _helion_failed_rows.get(_row_signature(op, tensors)))
         if failure is None:
-            measured = _measured_choice(op, tensors, fn) if triton_ok else None
+            measured = _measured_choice(op, tensors, fn or bucket_fn) if triton_ok else None
             if measured is not None:
                 return measured
             return "helion", "auto: helion (the primary backend; no measurement for this arch and shape)"
@@ -613,8 +615,9 @@ class Selection(str):
 
 
 def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
-    """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run on now; ``.reason`` says why (asked for by
-    name, measured faster on this arch for this shape bucket, a Helion failure, CPU tensors)."""
+    """The backend a call ``hkernels.<op>(*args, **kwargs)`` would run its forward on now; ``.reason`` says why
+    (asked for by name, measured faster on this arch for this shape bucket, a Helion failure, CPU tensors) and,
+    where auto routes the backward elsewhere (attention's forward has buckets of its own), the backward's."""
     _check_op(op)
     module = registry.load(op, "torch")
     assert not isinstance(module, str)
@@ -622,4 +625,10 @@ def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
     bound.apply_defaults()
     routed = getattr(module, "routed", None)  # where the kernel sees other tensors than the call's arguments
     tensors = routed(bound.arguments) if routed is not None else _tensors(tuple(bound.arguments.values()))
-    return Selection(*select(op, requested(op), tensors))
+    request = requested(op)
+    backend, reason = select(op, request, tensors, bucket_fn=f"{op}_fwd")
+    if request == "auto" and reason.startswith(f"auto: {backend} measured"):
+        backward = _measured_choice(op, tensors)
+        if backward is not None and backward[0] != backend:
+            reason = f"{reason}; the backward: {backward[1]}"
+    return Selection(backend, reason)

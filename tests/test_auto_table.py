@@ -74,3 +74,18 @@ def test_auto_table_gives_attention_forward_buckets_of_its_own(tmp_path):
     fwd = table["attention:attention_fwd"]
     assert [(b["max_n"], b["backend"]) for b in fwd] == [(64, "triton"), (None, "helion")]
     assert fwd[0]["measured"].endswith("(attention_d64 fwd)") and "rows=524288 n=64" in fwd[0]["measured"]
+
+
+def test_auto_table_routes_attention_backward_by_the_backward_alone(tmp_path):
+    """With the forward routed by its own buckets, the op's buckets decide the backward: by forward+backward minus
+    forward. Here Triton's forward is faster (2.0 against 3.0 ms) and Helion's backward (6.0 against 6.3): the sum
+    would pick Triton for both, the training step then taking 8.3 ms where Triton's forward and Helion's backward
+    take 8.0."""
+    rows = [{"op": "attention", "m": 4096, "n": 4096, "k": 4, "mode": mode, "backend": b, "ms": ms}
+            for mode, h, t in (("fwd", 3.0, 2.0), ("fwd_bwd", 9.0, 8.3)) for b, ms in (("helion", h), ("triton", t))]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    table = auto_table.build([tmp_path / "results.json"])
+    (bwd,) = table["attention"]
+    (fwd,) = table["attention:attention_fwd"]
+    assert (fwd["backend"], bwd["backend"]) == ("triton", "helion")
+    assert "helion 6, triton 6.3 ms (attention fwd_bwd − fwd)" in bwd["measured"]

@@ -423,7 +423,8 @@ def test_attention_forward_follows_buckets_of_its_own_under_auto(user_auto_table
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     for got, ref in zip((q, k, v), leaves, strict=True):
         torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
-    assert hkernels.selected_backend("attention", q, k, v) == "helion"  # the op's bucket
+    chosen = hkernels.selected_backend("attention", q, k, v)  # the forward's, and the backward's in the reason
+    assert chosen == "triton" and "fwd: t" in chosen.reason and "the backward: auto: helion" in chosen.reason
 
 
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):

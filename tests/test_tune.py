@@ -32,6 +32,25 @@ def test_tune_writes_tables_the_library_then_uses(tmp_path, monkeypatch, device,
         configs.reload()
 
 
+def test_tuned_auto_buckets_of_an_ops_variants_are_the_ops(tmp_path):
+    """Cases that are variants of one op (attention causal or not, at head dim 64) are filed under the op the
+    dispatcher routes, their times summed per shape; a later run replaces a shape's point."""
+    from hkernels.tune import auto
+
+    points = {"attention": [(524288, 64, {"helion": 2.0, "triton": 3.0}, "attention_d64 2048x2048x8"),
+                            (524288, 64, {"helion": 1.5, "triton": 0.2}, "attention_d64_causal 2048x2048x8")]}
+    auto.write_auto(points, "sm90", tmp_path)
+    table = json.loads((tmp_path / "auto" / "sm90.json").read_text())
+    (bucket,) = table["attention"]
+    assert bucket["backend"] == "triton" and "helion 3.5, triton 3.2" in bucket["measured"]
+    assert "attention_d64 2048x2048x8 + attention_d64_causal" in bucket["measured"]
+    assert "attention_d64" not in table and "attention_d64_causal" not in table
+    auto.write_auto({"attention": [(524288, 64, {"helion": 1.0, "triton": 2.0}, "attention_d64 2048x2048x8")]},
+                    "sm90", tmp_path)
+    (bucket,) = json.loads((tmp_path / "auto" / "sm90.json").read_text())["attention"]
+    assert bucket["backend"] == "helion"
+
+
 def test_tune_rejects_bad_arguments(capsys):
     import pytest
 

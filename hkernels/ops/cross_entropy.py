@@ -122,7 +122,8 @@ def cross_entropy_fwd(
         return loss[:1]
     # one run of elements from the first row's start to the last row's end: x[target] of row r is at r·stride + t
     flat = logits.as_strided(((T - 1) * logits.stride(0) + V,), (1,))
-    xt_load = grad is None or grad.data_ptr() != logits.data_ptr()
+    # a gradient in the logits' memory (the linear loss writes it over them) takes the race-free x[target]
+    xt_load = grad is None or grad.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
     args = (logits, flat, target, scale, grad, logits.stride(0), int(ignore_index), float(label_smoothing),
             label_smoothing != 0.0, xt_load)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)

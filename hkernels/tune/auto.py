@@ -79,10 +79,19 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
     kept = table.setdefault("_points", {})
     for op, new_points in measured.items():
         by_shape = {(p[0], p[1]): p for p in kept.get(op, [])}
-        for rows, n, t, name in new_points:
+        fresh: dict[tuple[int, int], list[Any]] = {}
+        for rows, n, t, name in new_points:  # an op's variants at one shape (causal or not, ...): summed
             unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n, op) else "ms (fwd + fwd_bwd)"
-            by_shape[(rows, n)] = [rows, n, t["helion"], t["triton"], f"{name}, hkernels.tune {datetime.date.today()}",
-                                   unit]
+            point = fresh.get((rows, n))
+            if point is None:
+                fresh[(rows, n)] = [rows, n, t["helion"], t["triton"], name, unit]
+            else:
+                point[2] += t["helion"]
+                point[3] += t["triton"]
+                point[4] += f" + {name}"
+        for key, point in fresh.items():
+            point[4] += f", hkernels.tune {datetime.date.today()}"
+            by_shape[key] = point
         kept[op] = sorted(by_shape.values())
         table[op] = buckets([(*p, "ms")[:6] for p in kept[op]], exact_n=True)  # (a point without a unit: ms)
     tables.write(path, table)

@@ -101,6 +101,11 @@ def _attention(head_dim: int) -> Make:
     return make
 
 
+# Cases that are variants of one op (another head dim, causal, a fused activation): the op the dispatcher routes
+# them as, whose auto buckets they share (their times are summed per shape).
+OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
+         "matmul_gelu": "matmul"}
+
 OPS: dict[str, OpInputs] = {
     op.name: op
     for op in (

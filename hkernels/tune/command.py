@@ -31,7 +31,7 @@ import torch
 
 from hkernels import _interpret, configs
 from hkernels.tune import auto, helion_configs, say, triton_settings  # helion_configs sets Helion's defaults
-from hkernels.tune.cases import Case
+from hkernels.tune.cases import OP_OF, Case
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 STEPS = ("helion", "triton", "auto")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             if "auto" in steps:
                 times = auto.measure_backends(case, device)
                 rows, n = case.rows_n()
-                measured.setdefault(op, []).append((rows, n, times, case.name))
+                measured.setdefault(OP_OF.get(op, op), []).append((rows, n, times, case.name))
                 summary.append(f"auto {case.name}: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms")
                 say(f"  auto: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms (fwd + fwd_bwd)")
         except Exception as e:  # one case failing must not lose the others' results
