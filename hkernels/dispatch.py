@@ -627,8 +627,8 @@ def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
     tensors = routed(bound.arguments) if routed is not None else _tensors(tuple(bound.arguments.values()))
     request = requested(op)
     backend, reason = select(op, request, tensors, bucket_fn=f"{op}_fwd")
-    if request == "auto" and reason.startswith(f"auto: {backend} measured"):
-        backward = _measured_choice(op, tensors)
+    if request == "auto" and (backend, reason) == _measured_choice(op, tensors, f"{op}_fwd"):
+        backward = _measured_choice(op, tensors)  # the op's own buckets, which route its backward
         if backward is not None and backward[0] != backend:
             reason = f"{reason}; the backward: {backward[1]}"
     return Selection(backend, reason)
