@@ -1,0 +1,190 @@
+"""Grouped matmul (the experts of a mixture of experts) in hand-written Triton: the twin of
+``hkernels/ops/grouped_matmul.py``.
+
+Math: x [T, K] holds E groups of rows in order, group e being rows starts[e] .. ends[e] (ends = cumsum of
+group_sizes, clamped to [0, T]); weight [E, N, K] (each expert an nn.Linear weight). Then
+    forward   y[rows_e] = x[rows_e] @ weight[e]ᵀ     [T, N]; rows past ends[E−1] get zeros
+    backward  dx[rows_e] = dy[rows_e] @ weight[e]    (the forward's kernel, weight read as [E, K, N])
+              dweight[e] = dy[rows_e]ᵀ @ x[rows_e]   [E, N, K]; zeros for an empty group
+
+No host sync: the tile schedule is built on the device (a cumsum of the groups' tile counts) and the launch
+covers its upper bound, cdiv(T, BLOCK_M) + E row tiles; a persistent grid walks the tiles that exist and finds
+each tile's group by a binary search over the schedule.
+
+Work and traffic: 2·T·N·K flops forward (2× that backward). The forward reads each x row once per column tile and
+each expert's weight once per row tile of that expert; the dweight kernel reads the group's rows of dy and x once
+per (N, K) tile of that expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import cdiv, interpreting, num_sms
+from triton_fallback._launch import launch
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _group_of(tile, tile_ends, n, STEPS: tl.constexpr):
+    # The first g in [0, n) with tile_ends[g] > tile (binary search over the schedule; STEPS = n.bit_length()).
+    lo = 0
+    hi = n
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        past = tl.load(tile_ends + tl.minimum(mid, n - 1)) <= tile
+        lo = tl.where(active & past, mid + 1, lo)
+        hi = tl.where(active & (not past), mid, hi)
+    return lo
+
+
+@triton.jit
+def _grouped_matmul_fwd_kernel(
+    x_ptr,  # [T, K], unit stride along K
+    w_ptr,  # [E, N, K] by strides (any: the backward reads weight as [E, K, N])
+    y_ptr,  # [T, N] out, contiguous
+    ends_ptr,  # [E + 1] int32: ends[e] of group e, and T (the zero tail: group E, no weight)
+    tile_ends_ptr,  # [E + 1] int32: cumsum of the groups' row tiles (the tail's included)
+    T, N, K, E,
+    stride_x, stride_we, stride_wn, stride_wk, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # A program walks (row tile, column tile) pairs, column tile fastest. Per pair: reads BLOCK_M rows of x and
+    # BLOCK_N rows of weight[e] over K, writes BLOCK_M × BLOCK_N of y.
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total = tl.load(tile_ends_ptr + E) * n_tiles
+    for pair in tl.range(tl.program_id(0), total, tl.num_programs(0)):
+        tile = pair // n_tiles
+        n0 = (pair % n_tiles) * BLOCK_N
+        e = _group_of(tile, tile_ends_ptr, E + 1, STEPS)
+        first_tile = tl.where(e > 0, tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0), 0)
+        start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
+        end = tl.load(ends_ptr + e)
+        rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if e < E:  # the tail (rows past the last group) stays zero
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+            w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+                b = tl.load(w_rows + ks[None, :].to(tl.int64) * stride_wk,
+                            mask=(cols < N)[:, None] & (ks < K)[None, :], other=0.0)
+                if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        y = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _grouped_matmul_dweight_kernel(
+    dy_ptr,  # [T, N], unit stride along N
+    x_ptr,  # [T, K], unit stride along K
+    dw_ptr,  # [E, N, K] out, contiguous
+    ends_ptr,  # [E + 1] int32 (see the forward)
+    N, K,
+    stride_dy, stride_x,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One program: expert e, a BLOCK_N × BLOCK_K tile of dweight[e]; reads the group's rows of dy and x once
+    # (BLOCK_M at a time), writes the tile once (zeros for an empty group).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e = pid // (n_tiles * k_tiles)
+    n0 = (pid // k_tiles % n_tiles) * BLOCK_N
+    k0 = (pid % k_tiles) * BLOCK_K
+    start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
+    end = tl.load(ends_ptr + e)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        g = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
+                    mask=row_ok[:, None] & (cols < N)[None, :], other=0.0)
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        if UPCAST:
+            g = g.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
+    dw = dw_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (ks < K)[None, :])
+
+
+def _settings(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Interpreter: small tiles; float32 (no tensor cores): small
+    tiles too; 16-bit on a GPU: 128 × 128 × 64, 8 warps, 3 stages (not yet measured against a sweep)."""
+    if interpreting():
+        return 16, 32, 32, 4, 1
+    if dtype == torch.float32:
+        return 32, 32, 32, 4, 2
+    return 128, 128, 64, 8, 3
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return interpreting() and dtype == torch.bfloat16
+
+
+def schedule(group_sizes: Tensor, T: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(ends [E + 1], tile_ends [E + 1]) int32 on the device, no sync: each group's end row (sizes clamped at 0,
+    ends at T) with T appended (the zero tail past the last group), and the cumsum of each group's row tiles."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=T)
+    ends = torch.cat([ends, ends.new_full((1,), T)]).to(torch.int32)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_ends = torch.cumsum((sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
+    return ends, tile_ends
+
+
+def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """x [T, K] (unit stride along K), weight [E, N, K] (any strides), group_sizes [E] integer on x's device ->
+    y [T, N] contiguous in x's dtype; rows past the groups' sum are zeros."""
+    T, K = x.shape
+    E, N, _ = weight.shape
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    bm, bn, bk, warps, stages = _settings(x.dtype)
+    ends, tile_ends = schedule(group_sizes, T, bm)
+    programs = cdiv(T, bm) + E + 1  # the most row tiles there can be
+    programs *= cdiv(N, bn)
+    if not interpreting():
+        programs = min(programs, 2 * num_sms(x.device))
+    launch(_grouped_matmul_fwd_kernel, (programs,),
+        x, weight, y, ends, tile_ends, T, N, K, E,
+        x.stride(0), *weight.stride(), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STEPS=(E + 1).bit_length(), UPCAST=_upcast(x.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tensor, need_x: bool, need_weight: bool
+                       ) -> tuple[Tensor | None, Tensor | None]:
+    """dy [T, N], x [T, K], weight [E, N, K] -> (dx [T, K] or None, dweight [E, N, K] float32-accumulated in
+    weight's dtype, or None)."""
+    T, K = x.shape
+    E, N, _ = weight.shape
+    dx = grouped_matmul_fwd(dy, weight.transpose(1, 2), group_sizes) if need_x else None
+    dw = None
+    if need_weight:
+        dw = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
+        bm, bn, bk, warps, stages = _settings(x.dtype)
+        ends, _ = schedule(group_sizes, T, bm)
+        if dw.numel():
+            launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
+                dy, x, dw, ends, N, K, dy.stride(0), x.stride(0),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+            )
+    return dx, dw
