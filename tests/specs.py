@@ -377,7 +377,42 @@ def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, ca
     return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention)
 
 
+def _torch_grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """PyTorch per group in the input dtype (each group's product rounded once, as a grouped kernel's)."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=x.shape[0]).tolist()
+    outs, start = [], 0
+    for e, end in enumerate(ends):
+        outs.append(x[start:end] @ weight[e].T)
+        start = end
+    outs.append(x.new_zeros((x.shape[0] - start, weight.shape[1])) + 0.0 * x[start:, :1])  # zeros past the sum
+    return torch.cat(outs)
+
+
+def _gmm_case(name: str, t: int, k: int, n: int, sizes: list[int] | None = None, experts: int = 4,
+              transposed_weight: bool = False, gpu_only: bool = False) -> Case:
+    """x [T, K], weight [E, N, K] (or a transposed view of [E, K, N]), group sizes given or drawn (summing to T)."""
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        x = _randn(g, t, k)
+        w = _randn(g, experts, k, n).transpose(1, 2) if transposed_weight else _randn(g, experts, n, k)
+        if sizes is None:
+            cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,), generator=g)).values.tolist()
+            drawn = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)])
+        else:
+            drawn = torch.tensor(sizes)
+        return {"x": x, "weight": w * k**-0.5}, {"group_sizes": drawn}
+
+    return Case("grouped_matmul", name, make, ("x", "weight"), gpu_only=gpu_only, base=_torch_grouped_matmul)
+
+
 CASES_LLM += [
+    _gmm_case("drawn", 37, 40, 24),
+    _gmm_case("empty_groups", 20, 32, 16, sizes=[0, 12, 0, 8]),
+    _gmm_case("one_token", 1, 64, 48, sizes=[0, 1, 0, 0]),
+    _gmm_case("one_expert", 9, 16, 33, sizes=[9], experts=1),
+    _gmm_case("short_sum", 20, 16, 16, sizes=[3, 5, 0, 2]),  # rows past the sum: zeros
+    _gmm_case("over_sum_negative", 20, 16, 16, sizes=[-2, 15, 30, 1]),  # clamped
+    _gmm_case("weight_t", 33, 48, 40, transposed_weight=True),
+    _gmm_case("qwen3_moe_like", 600, 256, 192, experts=16, gpu_only=True),
     _mm_case("one_row", 1, 64, 48),
     _mm_case("odd", 37, 17, 53),
     _mm_case("n1", 5, 32, 1),

@@ -48,6 +48,8 @@ GOOD: dict[str, tuple[Callable[[torch.device], dict[str, Any]], str, str | None]
         lambda d: {"hidden": _f(d, 3, 4), "weight": _f(d, 10, 4), "target": _idx(d, 3, 10)}, "hidden", "weight"),
     "matmul": (lambda d: {"a": _f(d, 3, 4), "b": _f(d, 4, 5)}, "a", "b"),
     "attention": (lambda d: {"q": _f(d, 1, 2, 3, 16), "k": _f(d, 1, 1, 3, 16), "v": _f(d, 1, 1, 3, 16)}, "q", "k"),
+    "grouped_matmul": (lambda d: {"x": _f(d, 5, 4), "weight": _f(d, 2, 3, 4),
+                                  "group_sizes": torch.tensor([2, 3], device=d)}, "x", "weight"),
 }
 
 

@@ -30,7 +30,15 @@ from hypothesis import strategies as st
 import hkernels
 from hkernels import references
 from tests.conftest import ON_GPU
-from tests.specs import TOLERANCES, _torch_attention, _torch_chunked_linear_ce, _torch_matmul, cast_case, ulps
+from tests.specs import (
+    TOLERANCES,
+    _torch_attention,
+    _torch_chunked_linear_ce,
+    _torch_grouped_matmul,
+    _torch_matmul,
+    cast_case,
+    ulps,
+)
 from tests.test_llm_ops import _leaves, _outputs
 
 Tensor = torch.Tensor
@@ -187,6 +195,18 @@ def _attention(d: Draw) -> Made:
     return tensors, {"causal": causal, "scale": scale}, ("q", "k", "v"), _torch_attention
 
 
+def _grouped_matmul(d: Draw) -> Made:
+    # 7 tokens first: the bad-input matrix's fixed cells take each first option and need a kernel to run
+    t, k, n = d.pick([7, *ROWS], "tokens"), d.pick([1, 16, 17, 64], "k"), d.pick([1, 16, 33, 48], "n")
+    experts = d.pick([1, 2, 5], "experts")
+    tensors = {"x": d.main(t, k), "weight": d.randn(experts, n, k, scale=k**-0.5)}
+    cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,), generator=d.gen)).values.tolist()
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)]
+    if d.pick([False, True], "short sum") and t:
+        sizes[-1] -= 1  # the last row belongs to no group: zeros
+    return tensors, {"group_sizes": torch.tensor(sizes)}, ("x", "weight"), _torch_grouped_matmul
+
+
 MAKERS: dict[str, Callable[[Draw], Made]] = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -198,6 +218,7 @@ MAKERS: dict[str, Callable[[Draw], Made]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "matmul": _matmul,
+    "grouped_matmul": _grouped_matmul,
     "attention": _attention,
 }
 
