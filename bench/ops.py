@@ -190,6 +190,43 @@ def _attention_bench(name: str, causal: bool, head_dim: int) -> OpBench:
     )
 
 
+# Mixture-of-experts projections (N, K) per expert and rows M = tokens × experts per token: Mixtral-8x7B (8 experts,
+# 2 per token, H 4096, I 14336) and Qwen3-30B-A3B (128 experts, 8 per token, H 2048, I 768); gate and up fused.
+_MOE = {8: ((2 * 14336, 4096), (4096, 14336), 2), 128: ((2 * 768, 2048), (2048, 768), 8)}
+
+
+def _grouped_shapes(experts: int) -> Callable[[str], list[Shape]]:
+    """The gate/up and the down projection at 16384 tokens (prefill presets; 4096 and 16384 for llama3) and at 1 and
+    64 tokens (decode)."""
+
+    def shapes(preset: str) -> list[Shape]:
+        up, down, per_token = _MOE[experts]
+        tokens = {"decode": (1, 64), "llama3": (4096, 16384)}.get(preset, (16384,))
+        return [(t * per_token, n, k) for t in tokens for n, k in (up, down)]
+
+    return shapes
+
+
+def _eager_grouped(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """Hugging Face's "eager" experts: a loop over the experts, one matmul each (a host sync for the sizes)."""
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    start = 0
+    for e, size in enumerate(group_sizes.tolist()):
+        out[start:start + size] = x[start:start + size] @ weight[e].T
+        start += size
+    return out
+
+
+def _grouped_mm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """torch._grouped_mm (Hugging Face's "grouped_mm" experts): offsets are the groups' ends, int32."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=torch.cumsum(group_sizes, 0, dtype=torch.int32))
+
+
+def _dense_mm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """One cuBLAS matmul of the same flops (every row times expert 0): the bar for a grouped kernel."""
+    return x @ weight[0].T
+
+
 def _bench(name: str, **fields: Any) -> OpBench:
     """``name``'s benchmark: its inputs, gradients and call from ``hkernels.tune.cases``, and ``fields``."""
     op = cases.OPS[name]
@@ -265,6 +302,13 @@ OPS: dict[str, OpBench] = {
         ref=lambda a, b, bias: references.matmul(a, b, bias, "gelu_tanh"),
         dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
     ),
+    **{name: _bench(
+        name,
+        eager=_eager_grouped,
+        ref=references.grouped_matmul,
+        dim="hidden", flops_fn=_matmul_flops, shapes=_grouped_shapes(experts), compile=False,
+        peers={"grouped_mm": _grouped_mm, "dense_mm": _dense_mm},
+    ) for name, experts in (("grouped_matmul", 8), ("grouped_matmul_e128", 128))},
     "attention": _attention_bench("attention", False, HEAD_DIM),
     "attention_causal": _attention_bench("attention_causal", True, HEAD_DIM),
     "attention_d64": _attention_bench("attention_d64", False, SMALL_HEAD_DIM),
@@ -305,6 +349,8 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
         return [(4, 64, 32), (3, 33, 17)] if cpu else [(256, 4096, 4096), (4096, 4096, 4096)]
     if op.name.startswith("attention"):
         return [(16, HEAD_DIM, 1)] if cpu else [(1024, 4096, 2)]
+    if op.name.startswith("grouped_matmul"):
+        return [(16, 32, 24)] if cpu else [(8192, 4096, 4096)]
     shapes = QUICK_SHAPES[device.type]
     if op.name in ("rope", "fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]

@@ -101,10 +101,23 @@ def _attention(head_dim: int) -> Make:
     return make
 
 
+def _grouped(experts: int) -> Make:
+    """x [M, K] (M = tokens × experts per token), weight [E, N, K], balanced routing: M / E rows per expert."""
+
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        x = torch.randn((m, k), generator=g, device=device, dtype=dtype)
+        weight = torch.randn((experts, n, k), generator=g, device=device, dtype=dtype) * k**-0.5
+        sizes = torch.full((experts,), m // experts, dtype=torch.int32)
+        sizes[: m % experts] += 1
+        return [x, weight, sizes.to(device)]
+
+    return make
+
+
 # Cases that are variants of one op (another head dim, causal, a fused activation): the op the dispatcher routes
 # them as, whose auto buckets they share (their times are summed per shape).
 OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
-         "matmul_gelu": "matmul"}
+         "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul"}
 
 OPS: dict[str, OpInputs] = {
     op.name: op
@@ -125,6 +138,8 @@ OPS: dict[str, OpInputs] = {
         OpInputs("attention", _attention(HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_causal", _attention(HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+        OpInputs("grouped_matmul", _grouped(8), (0, 1), hkernels.grouped_matmul),  # Mixtral's 8 experts
+        OpInputs("grouped_matmul_e128", _grouped(128), (0, 1), hkernels.grouped_matmul),  # Qwen3-MoE's 128
         OpInputs("attention_d64", _attention(SMALL_HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_d64_causal", _attention(SMALL_HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
