@@ -127,6 +127,24 @@ def test_bad_input_raises_naming_the_op_and_the_problem(op, cell, device):
                 getattr(hkernels, op)(**args)
 
 
+@pytest.mark.parametrize(("bad", "error", "pattern"), [
+    (lambda d: torch.tensor([2.0, 3.0], device=d), TypeError, r"group_sizes must be a 1-d int32 or int64 tensor, got "
+     r"torch\.float32"),
+    (lambda d: torch.tensor([[2, 3]], device=d), TypeError, r"group_sizes must be a 1-d .* shape \[1, 2\]"),
+    (lambda d: torch.tensor([1, 1, 3], device=d), ValueError, r"group_sizes has 3 entries for 2 experts"),
+    (lambda d: [2, 3], TypeError, r"group_sizes must be a 1-d int32 or int64 tensor, got list"),
+    (lambda d: torch.tensor([2, 3], device="meta"), ValueError, r"group_sizes is on meta"),
+], ids=["float", "2d", "length", "list", "device"])
+def test_grouped_matmul_group_sizes_are_checked(bad, error, pattern, device):
+    """group_sizes is read on the device: its type, length and device are checked on the host (its values are not:
+    a host sync; they are clamped as documented)."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    x, w = _f(device, 5, 4), _f(device, 2, 3, 4)
+    with pytest.raises(error, match=r"hkernels\.grouped_matmul: " + pattern):
+        hkernels.grouped_matmul(x, w, bad(device))
+
+
 @pytest.mark.parametrize("eps", [0.0, -1e-6, 0, math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
 def test_eps_must_be_finite_and_positive(op, eps, device):
