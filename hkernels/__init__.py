@@ -31,6 +31,7 @@ from hkernels.functional.geglu import geglu  # noqa: E402
 from hkernels.functional.grouped_matmul import grouped_matmul  # noqa: E402
 from hkernels.functional.layer_norm import layer_norm  # noqa: E402
 from hkernels.functional.matmul import matmul  # noqa: E402
+from hkernels.functional.moe import moe  # noqa: E402
 from hkernels.functional.rms_norm import rms_norm  # noqa: E402
 from hkernels.functional.rope import rope  # noqa: E402
 from hkernels.functional.softmax import softmax  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "grouped_matmul",
     "layer_norm",
     "matmul",
+    "moe",
     "nn",
     "ops",
     "patch",

@@ -37,7 +37,7 @@ def _x(device: torch.device, n: int = 16) -> torch.Tensor:
 def test_ops_lists_every_op():
     assert hkernels.ops() == [
         "add_rms_norm", "attention", "cross_entropy", "fused_linear_cross_entropy", "geglu", "grouped_matmul",
-        "layer_norm", "matmul", "rms_norm", "rope", "softmax", "swiglu",
+        "layer_norm", "matmul", "moe", "rms_norm", "rope", "softmax", "swiglu",
     ]
 
 

@@ -36,6 +36,7 @@ from tests.specs import (
     _torch_chunked_linear_ce,
     _torch_grouped_matmul,
     _torch_matmul,
+    _torch_moe,
     cast_case,
     ulps,
 )
@@ -207,6 +208,19 @@ def _grouped_matmul(d: Draw) -> Made:
     return tensors, {"group_sizes": torch.tensor(sizes)}, ("x", "weight"), _torch_grouped_matmul
 
 
+def _moe(d: Draw) -> Made:
+    # 7 tokens first (see _grouped_matmul)
+    t, h, i = d.pick([7, *ROWS], "tokens"), d.pick([16, 17, 64], "hidden"), d.pick([8, 16, 33], "intermediate")
+    experts, k = d.pick([1, 3, 8], "experts"), d.pick([1, 2, 4], "k")
+    tensors = {"x": d.main(t, h), "gate_up_proj": d.randn(experts, 2 * i, h, scale=h**-0.5),
+               "down_proj": d.randn(experts, h, i, scale=i**-0.5),
+               "topk_weights": torch.rand((t, k), generator=d.gen, dtype=torch.float64)}
+    ids = torch.randint(0, experts, (t, k), generator=d.gen)
+    if d.pick([False, True], "id out of range") and t:
+        ids[0, 0] = experts  # selects nothing
+    return tensors, {"topk_ids": ids}, ("x", "gate_up_proj", "down_proj", "topk_weights"), _torch_moe
+
+
 MAKERS: dict[str, Callable[[Draw], Made]] = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -219,6 +233,7 @@ MAKERS: dict[str, Callable[[Draw], Made]] = {
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "matmul": _matmul,
     "grouped_matmul": _grouped_matmul,
+    "moe": _moe,
     "attention": _attention,
 }
 
