@@ -145,15 +145,22 @@ def _grouped_matmul_dweight_kernel(
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (ks < K)[None, :])
 
 
-def _settings(dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages). Interpreter: small tiles (two-tile bands, so a band
-    crossing a group boundary is tested); float32 (no tensor cores): small tiles too; 16-bit on a GPU: 128 × 128 ×
-    64, bands of 8 row tiles, 8 warps, 3 stages."""
+# Launch settings per kernel kind for 16-bit inputs on a GPU: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
+# BLOCK_M is the schedule's row tile, the same for every kind (one schedule serves a call's kernels). From a sweep
+# at Mixtral's and Qwen3-MoE's shapes (bench/results/h200): "fwd" the grouped product, "dweight" the weight
+# gradient (BLOCK_M is then its reduction step: rows read per iteration), "pair" the moe kernels with two
+# accumulators (gate and up) or an epilogue that reads two more tiles.
+_GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 128, 8, 8, 3), "pair": (128, 128, 64, 8, 8, 3)}
+
+
+def _settings(dtype: torch.dtype, kind: str = "fwd") -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) of ``kind`` (see _GPU). Interpreter: small tiles
+    (two-tile bands, so a band crossing a group boundary is tested); float32 (no tensor cores): small tiles too."""
     if interpreting():
         return 16, 32, 32, 2, 4, 1
     if dtype == torch.float32:
         return 32, 32, 32, 8, 4, 2
-    return 128, 128, 64, 8, 8, 3
+    return _GPU[kind]
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -193,7 +200,7 @@ def dweight_into(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tenso
     """dw[e] = dy[rows of e]ᵀ @ x[rows of e] (float32 accumulation), where row r of a group reads dy row
     dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K] contiguous."""
     E, N, K = dw.shape
-    bm, bn, bk, _, warps, stages = _settings(x.dtype)
+    bm, bn, bk, _, warps, stages = _settings(x.dtype, "dweight")
     if dw.numel():
         launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
             dy, x, dy_rows if dy_rows is not None else ends, x_rows if x_rows is not None else ends, dw, ends,

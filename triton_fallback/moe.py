@@ -172,7 +172,7 @@ def _moe_combine_kernel(
 
 
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
-    bm, bn = _settings(dtype)[:2]
+    bm, bn = _settings(dtype, "pair")[:2]
     programs = (cdiv(rows, bm) + experts + 1) * cdiv(n, bn)
     return programs if interpreting() else min(programs, 2 * num_sms(device))
 
@@ -197,7 +197,7 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
     T, H = x.shape
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741
-    bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
+    bm, bn, bk, group_m, warps, stages = _settings(x.dtype, "pair")
     src, order, pos, ends = routing(topk_ids, E)
     rows = src.numel()
     tiles = tile_ends(ends, bm)
@@ -226,7 +226,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741
     rows = src.numel()
-    bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
+    bm, bn, bk, group_m, warps, stages = _settings(x.dtype, "pair")
     if rows == 0:
         return x.new_zeros(x.shape), torch.zeros_like(gate_up), torch.zeros_like(down), torch.zeros_like(topk_weights)
     tiles = tile_ends(ends, bm)
