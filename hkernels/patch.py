@@ -23,7 +23,9 @@ What is replaced (``ops`` picks; default all):
   class built on transformers' experts interface, ``@use_experts_implementation``) -> :func:`hkernels.moe`, through
   that interface: an ``"hkernels"`` experts implementation is registered and the model's config selects it
   (experts with biases, transposed or interleaved weights, a post-expert norm, expert parallelism or an activation
-  other than SiLU keep their own forward). Transformers without the interface: nothing is replaced.
+  other than SiLU keep their own forward). Transformers without the interface: nothing is replaced. Experts
+  modules that declare ``hkernels_experts = "swiglu"`` (``bench.model``'s) -> :class:`hkernels.nn.MoEExperts`
+  holding the same Parameters.
 - ``attention`` (opt-in: not in the default set): causal self-attention without a mask on
   :func:`hkernels.attention` — Hugging Face's "sdpa" attention function (calls with a mask, dropout, a position
   bias, soft-capping, decoding or an unsupported head dim keep SDPA), and module-level ``causal_attention(q, k, v)``
@@ -123,6 +125,12 @@ def _new_layer_norm(m: nn.Module) -> nn.Module | None:
     new = hnn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
     new.weight, new.bias = m.weight, m.bias
     return new
+
+
+def _new_experts(m: nn.Module) -> nn.Module | None:
+    if getattr(type(m), "hkernels_experts", None) != "swiglu" or not _hf_experts_ok(m):
+        return None
+    return hnn.MoEExperts.sharing(m)
 
 
 def _new_loss(m: nn.Module) -> nn.Module | None:
@@ -365,7 +373,8 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"hkernels.patch: model must be a torch.nn.Module, got {type(model).__name__}")
     done: list[Replacement] = []
-    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss)]
+    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss),
+                ("moe", _new_experts)]
     hooked = []
     for path, m in list(model.named_modules()):
         if not path:
