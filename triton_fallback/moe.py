@@ -239,11 +239,16 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STEPS=(E + 1).bit_length(),
         UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
     )
-    ddown = dweight_into(dout, hw, torch.empty(down.shape, dtype=down.dtype, device=down.device), ends, dy_rows=src)
-    dgate_up = dweight_into(dpre, x, torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device), ends,
-                            x_rows=src)
+    # In this order, each buffer freed once read for the last time: at most pre, two [T·k, ·] buffers and the
+    # weight gradients are alive at once (the peak of a forward+backward).
     dx_rows = fwd_into(dpre, gate_up.transpose(1, 2), torch.empty((rows, H), dtype=x.dtype, device=x.device), ends,
                        tiles)
     dx = combine(dx_rows, pos, topk_ids.reshape(-1), None, T, E)
+    del dx_rows
+    dgate_up = dweight_into(dpre, x, torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device), ends,
+                            x_rows=src)
+    del dpre
+    ddown = dweight_into(dout, hw, torch.empty(down.shape, dtype=down.dtype, device=down.device), ends, dy_rows=src)
+    del hw
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw

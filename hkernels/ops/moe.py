@@ -197,13 +197,17 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     hw = torch.empty((padded, I2 // 2), dtype=x.dtype, device=x.device)
     dsw = torch.zeros(padded, dtype=torch.float32, device=x.device)
     _helion.run(_moe_down_bwd, (dout, down, src, order, tw, pre, starts, group_ends, dpre, hw, dsw), I2 // 2, x.device)
-    identity = torch.arange(padded, dtype=torch.int32, device=x.device)
-    ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
-    _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
-    dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
+    # The Triton twin's order: each buffer freed once read for the last time.
     dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
     _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H, x.device)
     dx = _combine(dx_rows, pos, _valid_ids(topk_ids, E), None, T)
+    del dx_rows
+    identity = torch.arange(padded, dtype=torch.int32, device=x.device)
+    dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
+    del dpre
+    ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
+    _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
+    del hw
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw
