@@ -22,8 +22,9 @@ What is replaced (``ops`` picks; default all):
 - ``moe``: the experts of Hugging Face's mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE and any experts
   class built on transformers' experts interface, ``@use_experts_implementation``) -> :func:`hkernels.moe`, through
   that interface: an ``"hkernels"`` experts implementation is registered and the model's config selects it
-  (experts with biases, transposed or interleaved weights, a post-expert norm, expert parallelism or an activation
-  other than SiLU keep their own forward). Transformers without the interface: nothing is replaced. Experts
+  (a config whose experts have biases, transposed or interleaved weights, a post-expert norm, expert parallelism or
+  an activation other than SiLU keeps its implementation; a call with hidden states in another dtype than the
+  weights runs the implementation selected before). Transformers without the interface: nothing is replaced. Experts
   modules that declare ``hkernels_experts = "swiglu"`` (``bench.model``'s) -> :class:`hkernels.nn.MoEExperts`
   holding the same Parameters.
 - ``attention`` (opt-in: not in the default set): causal self-attention without a mask on
@@ -263,27 +264,33 @@ def _hf_experts_ok(m: nn.Module) -> bool:
 
 def hf_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
                        ) -> Tensor:
-    """Hugging Face's experts forward (the ``"hkernels"`` experts implementation) on :func:`hkernels.moe`; experts
-    it does not compute exactly run their own (eager) forward."""
-    if _hf_experts_ok(self) and hidden_states.dtype == self.gate_up_proj.dtype:
+    """Hugging Face's experts forward (the ``"hkernels"`` experts implementation) on :func:`hkernels.moe`; a call
+    it does not compute exactly (hidden states in another dtype than the weights) runs the implementation the
+    model had before patching."""
+    if hidden_states.dtype == self.gate_up_proj.dtype and _hf_experts_ok(self):
         return _moe.moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
-    return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    before = self.__dict__.get(_BEFORE, "eager")
+    own = type(self).forward.__wrapped__
+    return ALL_EXPERTS_FUNCTIONS.get_interface(before, own)(self, hidden_states, top_k_index, top_k_weights)
 
 
 hf_experts_forward.hkernels = True  # type: ignore[attr-defined]
 _EXPERTS = "hkernels"
+_BEFORE = "_hkernels_experts_before"  # on a patched experts module: the implementation its config selected before
 
 
-def _hf_experts_configs(model: nn.Module) -> list[tuple[str, Any]]:
-    """(path, config) of each distinct config that selects the experts implementation of ``model``'s experts
-    modules built on transformers' experts interface."""
-    found: dict[int, tuple[str, Any]] = {}
+def _hf_experts_configs(model: nn.Module) -> list[tuple[str, Any, list[nn.Module]]]:
+    """(path of the first, config, modules) for each distinct config that selects the experts implementation of
+    ``model``'s experts modules built on transformers' experts interface."""
+    found: dict[int, tuple[str, Any, list[nn.Module]]] = {}
     for path, m in model.named_modules():
         forward = getattr(type(m), "forward", None)
         config = getattr(m, "config", None)
         if (getattr(forward, "__wrapped__", None) is not None and hasattr(m, "gate_up_proj")
                 and hasattr(config, "_experts_implementation_internal")):
-            found.setdefault(id(config), (path, config))
+            found.setdefault(id(config), (path, config, []))[2].append(m)
     return list(found.values())
 
 
@@ -409,9 +416,13 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
             from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
             ALL_EXPERTS_FUNCTIONS.register(_EXPERTS, hf_experts_forward)
-            for path, config in configs:
+            for path, config, modules in configs:
                 old = config._experts_implementation_internal
-                if old != _EXPERTS:
+                # Only where hkernels.moe computes every experts module of the config exactly (not biases,
+                # transposed weights, other activations...): the others keep the implementation they have.
+                if old != _EXPERTS and all(_hf_experts_ok(m) for m in modules):
+                    for m in modules:
+                        m.__dict__[_BEFORE] = old
                     config._experts_implementation_internal = _EXPERTS
                     done.append(Replacement(path, "moe", "experts", old, _EXPERTS))
     if "rope" in wanted:
@@ -456,7 +467,11 @@ def unpatch(model: nn.Module) -> list[Replacement]:
             target = model if r.where == "<model>" else model.get_submodule(r.where)
             target.__dict__.pop("forward", None)
         elif r.kind == "experts":
-            model.get_submodule(r.where).config._experts_implementation_internal = r.old
+            config = model.get_submodule(r.where).config
+            config._experts_implementation_internal = r.old
+            for m in model.modules():
+                if getattr(m, "config", None) is config:
+                    m.__dict__.pop(_BEFORE, None)
         elif r.kind == "registry":
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -253,3 +253,21 @@ def test_hf_moe_experts_module_is_a_drop_in(device):
     with torch.no_grad(), hkernels.use_backend("triton"):
         torch.testing.assert_close(ours(x, idx, w), hf(x, idx, w), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(shared(x, idx, w), hf(x, idx, w), rtol=1e-4, atol=1e-5)
+
+
+def test_hf_moe_patch_leaves_experts_it_cannot_compute(device):
+    """A config whose experts hkernels.moe does not compute exactly (here: biases) keeps its implementation; a
+    patched experts module remembers the implementation its config had, which unpatch forgets."""
+    from hkernels.patch import _BEFORE
+
+    model, _ = _tiny_moe("qwen3_moe", device)
+    before = model.config._experts_implementation
+    for m in _experts(model):
+        m.has_bias = True
+    assert hkernels.patch(model, ops=["moe"]) == [] and model.config._experts_implementation == before
+    for m in _experts(model):
+        m.has_bias = False
+    done = hkernels.patch(model, ops=["moe"])
+    assert len(done) == 1 and all(m.__dict__[_BEFORE] == before for m in _experts(model))
+    unpatch(model)
+    assert model.config._experts_implementation == before and not any(_BEFORE in m.__dict__ for m in _experts(model))

@@ -63,7 +63,7 @@ def _moe_up_kernel(
             src = tl.load(src_ptr + rows, mask=row_ok, other=0)
             x_rows = x_ptr + src.to(tl.int64)[:, None] * stride_x
             w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-            w_up = w_gate + I * stride_wn
+            w_up = w_ptr + e.to(tl.int64) * stride_we + (cols + I).to(tl.int64)[:, None] * stride_wn
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = (ks < H)[None, :]
@@ -218,17 +218,18 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
 
 
 def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool = True,
+            need_weights: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
     """dout [T, H] (unit stride along H) and what :func:`moe_fwd` kept -> (dx [T, H], dgate_up [E, 2I, H], ddown
-    [E, H, I], dtopk_weights [T, k] in topk_weights' dtype)."""
+    [E, H, I], each None where not needed, and dtopk_weights [T, k] in topk_weights' dtype)."""
     T, H = x.shape
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741
     rows = src.numel()
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype, "pair")
     if rows == 0:
-        return x.new_zeros(x.shape), torch.zeros_like(gate_up), torch.zeros_like(down), torch.zeros_like(topk_weights)
+        return (x.new_zeros(x.shape) if need_x else None, torch.zeros_like(gate_up) if need_weights else None,
+                torch.zeros_like(down) if need_weights else None, torch.zeros_like(topk_weights))
     tiles = tile_ends(ends, bm)
     dpre = torch.empty_like(pre)
     hw = torch.empty((rows, I), dtype=x.dtype, device=x.device)
@@ -241,14 +242,18 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     )
     # In this order, each buffer freed once read for the last time: at most pre, two [T·k, ·] buffers and the
     # weight gradients are alive at once (the peak of a forward+backward).
-    dx_rows = fwd_into(dpre, gate_up.transpose(1, 2), torch.empty((rows, H), dtype=x.dtype, device=x.device), ends,
-                       tiles)
-    dx = combine(dx_rows, pos, topk_ids.reshape(-1), None, T, E)
-    del dx_rows
-    dgate_up = dweight_into(dpre, x, torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device), ends,
-                            x_rows=src)
-    del dpre
-    ddown = dweight_into(dout, hw, torch.empty(down.shape, dtype=down.dtype, device=down.device), ends, dy_rows=src)
+    dx = dgate_up = ddown = None
+    if need_x:
+        dx_rows = fwd_into(dpre, gate_up.transpose(1, 2), torch.empty((rows, H), dtype=x.dtype, device=x.device),
+                           ends, tiles)
+        dx = combine(dx_rows, pos, topk_ids.reshape(-1), None, T, E)
+        del dx_rows
+    if need_weights:
+        dgate_up = dweight_into(dpre, x, torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device),
+                                ends, x_rows=src)
+        del dpre
+        ddown = dweight_into(dout, hw, torch.empty(down.shape, dtype=down.dtype, device=down.device), ends,
+                             dy_rows=src)
     del hw
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw

@@ -82,6 +82,8 @@ def _body(request: str, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk
     x2 = x.reshape(-1, H)
     ids = topk_ids.reshape(x2.shape[0], k)
     tw = topk_weights.reshape(x2.shape[0], k)
+    if tw.dtype == torch.float64 and x.dtype != torch.float64:  # the kernels read routing weights up to float32
+        tw = tw.float()
     save = wants_grad(x, gate_up_proj, down_proj, topk_weights)
     out = call(_fwd, x2, gate_up_proj, down_proj, ids, tw, save, request)[0]
     return out.view(shape)
@@ -114,20 +116,24 @@ def _(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk
 
 @torch.library.custom_op("hkernels::moe_bwd", mutates_args=())
 def _bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-         pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, backend: str
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool, need_weights: bool,
+         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if x.numel() == 0 or gate_up_proj.numel() == 0 or topk_ids.numel() == 0:
         backend = "torch"
-    return dispatch.run(OP, "moe_bwd", backend, _unit_rows(dout), _unit_rows(x), gate_up_proj, down_proj,
-                        topk_ids.contiguous(), topk_weights.contiguous(), pre, src, order, pos, ends)
+    dx, dgu, dd, dtw = dispatch.run(OP, "moe_bwd", backend, _unit_rows(dout), _unit_rows(x), gate_up_proj,
+                                    down_proj, topk_ids.contiguous(), topk_weights.contiguous(), pre, src, order,
+                                    pos, ends, need_x, need_weights)
+    return (dx if dx is not None else x.new_empty(0), dgu if dgu is not None else gate_up_proj.new_empty(0),
+            dd if dd is not None else down_proj.new_empty(0), dtw)
 
 
 @_bwd.register_fake
 def _(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-      pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (x.new_empty(x.shape), gate_up_proj.new_empty(gate_up_proj.shape), down_proj.new_empty(down_proj.shape),
-            topk_weights.new_empty(topk_weights.shape))
+      pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool, need_weights: bool,
+      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (x.new_empty(x.shape if need_x else (0,)),
+            gate_up_proj.new_empty(gate_up_proj.shape if need_weights else (0,)),
+            down_proj.new_empty(down_proj.shape if need_weights else (0,)), topk_weights.new_empty(topk_weights.shape))
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -145,9 +151,10 @@ def _backward(ctx: Any, dout: Tensor | None, *_: Any) -> tuple[Tensor | None, ..
     if pre.numel() == 0 and x.numel() and topk_ids.numel() and gate_up_proj.numel():
         raise RuntimeError("hkernels.moe: the forward ran without a gradient wanted and kept nothing for the "
                            "backward; call it with requires_grad inputs under grad mode")
-    dx, dgu, dd, dtw = call(_bwd, dout, x, gate_up_proj, down_proj, topk_ids, topk_weights, pre, src, order, pos,
-                            ends, ctx.backend)
     need = ctx.needs_input_grad
+    # The weight gradients, half the backward's work, only when one is wanted (frozen experts skip them).
+    dx, dgu, dd, dtw = call(_bwd, dout, x, gate_up_proj, down_proj, topk_ids, topk_weights, pre, src, order, pos,
+                            ends, need[0], need[1] or need[2], ctx.backend)
     return (dx if need[0] else None, dgu if need[1] else None, dd if need[2] else None, None,
             dtw if need[4] else None, None, None)
 
@@ -211,10 +218,10 @@ def moe_fwd(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor
 
 
 def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dgate_up_proj, ddown_proj, dtopk_weights), written out (a custom op's implementation runs without
-    autograd); the math is triton_fallback/moe.py's."""
+            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool = True,
+            need_weights: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(dx or None, dgate_up_proj or None, ddown_proj or None, dtopk_weights), written out (a custom op's
+    implementation runs without autograd); the math is triton_fallback/moe.py's."""
     ct = compute_dtype(x.dtype)
     E, _I2, H = gate_up_proj.shape
     rows = src.numel()
@@ -238,7 +245,8 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, to
         dx_rows[s:t] = dpre @ gate_up_proj[e].to(ct)
     dx = _combine(dx_rows.to(x.dtype).to(ct), pos, topk_ids, None, E).to(x.dtype)
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
-    return dx, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype), dtw
+    return (dx if need_x else None, dgu.to(gate_up_proj.dtype) if need_weights else None,
+            dd.to(down_proj.dtype) if need_weights else None, dtw)
 
 
 _CALLS = Public(OP, _check, _body)

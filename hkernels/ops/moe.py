@@ -173,19 +173,20 @@ def _valid_ids(topk_ids: Tensor, experts: int) -> Tensor:
 
 
 def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool = True,
+            need_weights: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
     """dout [T, H] (unit stride along H) and what :func:`moe_fwd` kept -> (dx [T, H], dgate_up [E, 2I, H], ddown
-    [E, H, I], dtopk_weights [T, k] in topk_weights' dtype)."""
+    [E, H, I], each None where not needed, and dtopk_weights [T, k] in topk_weights' dtype)."""
     T, H = x.shape
     E, I2, _ = gate_up.shape
     if H == 1 or I2 == 2:
         xw, gw, dw, pw = _widen(x, gate_up, down, pre)
         dx, dgate_up, ddown, dtw = moe_bwd(F.pad(dout, (0, xw.shape[1] - H)), xw, gw, dw, topk_ids, topk_weights, pw,
-                                           src, order, pos, ends)
+                                           src, order, pos, ends, need_x, need_weights)
         keep = slice(None, None, 2) if I2 == 2 else slice(None)
-        return (dx[:, :H].contiguous(), dgate_up[:, keep, :H].contiguous(), ddown[:, :H, :I2 // 2].contiguous(),
-                dtw)
+        return (dx[:, :H].contiguous() if dx is not None else None,
+                dgate_up[:, keep, :H].contiguous() if dgate_up is not None else None,
+                ddown[:, :H, :I2 // 2].contiguous() if ddown is not None else None, dtw)
     rows = src.numel()
     starts, group_ends, tails = _groups(ends)
     # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
@@ -198,16 +199,20 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     dsw = torch.zeros(padded, dtype=torch.float32, device=x.device)
     _helion.run(_moe_down_bwd, (dout, down, src, order, tw, pre, starts, group_ends, dpre, hw, dsw), I2 // 2, x.device)
     # The Triton twin's order: each buffer freed once read for the last time.
-    dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
-    _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H, x.device)
-    dx = _combine(dx_rows, pos, _valid_ids(topk_ids, E), None, T)
-    del dx_rows
-    identity = torch.arange(padded, dtype=torch.int32, device=x.device)
-    dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
-    del dpre
-    ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
-    _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
+    dx = dgate_up = ddown = None
+    if need_x:
+        dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
+        _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H,
+                    x.device)
+        dx = _combine(dx_rows, pos, _valid_ids(topk_ids, E), None, T)
+        del dx_rows
+    if need_weights:
+        identity = torch.arange(padded, dtype=torch.int32, device=x.device)
+        dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
+        del dpre
+        ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
+        _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
     del hw
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw
