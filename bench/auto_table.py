@@ -42,8 +42,8 @@ def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
     if op in ("rope", "attention"):
         head_dim = SMALL_HEAD_DIM if bench_op.startswith("attention_d64") else HEAD_DIM
         return m * (n // head_dim) * max(k, 1), head_dim  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
-    if op == "matmul":
-        return m, k  # a [M, K]
+    if op in ("matmul", "grouped_matmul"):
+        return m, k  # a [M, K]; x [M, K]
     return m, n
 
 

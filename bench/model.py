@@ -4,7 +4,9 @@ Module names and layout follow Hugging Face's LlamaForCausalLM (``model.embed_to
 {input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``model.norm``,
 ``lm_head``), with plain torch parts (``torch.nn.RMSNorm``, SDPA attention, a module-level
 ``apply_rotary_pos_emb``), so that ``hkernels.patch`` and Liger's modules can be swapped in as they would be in a
-real model. The loss is Hugging Face's causal-LM loss: position t predicts token t + 1, logits in float32.
+real model. The loss is Hugging Face's causal-LM loss: position t predicts token t + 1, logits in float32. Configs
+with experts ("moe", "tiny_moe") put Qwen3-MoE's block in every layer's place of the MLP (``mlp.gate`` router,
+``mlp.experts`` computed as transformers' default ``grouped_mm`` experts).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class Config:
     rope_base: float = 500000.0
     rms_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    num_experts: int = 0  # > 0: every layer's MLP is a mixture of experts (Qwen3-MoE's block)
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
 
 CONFIGS = {
@@ -38,6 +43,11 @@ CONFIGS = {
     "1b": Config(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
     # A few-layer model for tests and CPU smoke runs.
     "tiny": Config(256, 64, 176, 2, 4, 2),
+    # Qwen3-30B-A3B's attention and experts (128 experts of 768, 8 per token, hidden 2048, vocabulary 151936) in 4
+    # layers: 2.7 B parameters, 0.55 B active per token.
+    "moe": Config(151936, 2048, 6144, 4, 32, 4, rope_base=1000000.0, rms_eps=1e-6, num_experts=128,
+                  experts_per_token=8, moe_intermediate_size=768),
+    "tiny_moe": Config(256, 64, 176, 2, 4, 2, num_experts=4, experts_per_token=2, moe_intermediate_size=32),
 }
 
 
@@ -103,13 +113,59 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """Hugging Face's experts module (Qwen3-MoE's parameters, ``gate_up_proj`` [E, 2·I, H] and ``down_proj``
+    [E, H, I]) computed as its default ``grouped_mm`` experts implementation: the (token, slot) pairs sorted by
+    expert, two ``torch._grouped_mm`` with SwiGLU between, the weighted rows summed back per token."""
+
+    hkernels_experts = "swiglu"  # what hkernels.patch may put on hkernels.moe: this exact computation
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        k = top_k_index.shape[1]
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        experts = self.gate_up_proj.shape[0]
+        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=experts, min=0,
+                             max=experts - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(x[perm // k], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, -1)
+        y = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = y * top_k_weights.reshape(-1)[perm, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[inv].view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's block: a linear router, softmax, the top-k experts with their probabilities renormalised."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(rows).float(), -1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        return self.experts(rows, index, weights).view(x.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.num_experts else MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -149,6 +205,9 @@ class LlamaLike(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, std=0.02)
+            nn.init.normal_(m.down_proj, std=0.02)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> CausalLMOutput:
         logits = self.lm_head(self.model(input_ids))

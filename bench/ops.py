@@ -7,6 +7,7 @@ must move, one callable per backend, and the shapes of each preset. What M, N an
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +191,107 @@ def _attention_bench(name: str, causal: bool, head_dim: int) -> OpBench:
     )
 
 
+# Mixture-of-experts projections (N, K) per expert and rows M = tokens × experts per token: Mixtral-8x7B (8 experts,
+# 2 per token, H 4096, I 14336) and Qwen3-30B-A3B (128 experts, 8 per token, H 2048, I 768); gate and up fused.
+_MOE = {8: ((2 * 14336, 4096), (4096, 14336), 2), 128: ((2 * 768, 2048), (2048, 768), 8)}
+
+
+def _grouped_shapes(experts: int) -> Callable[[str], list[Shape]]:
+    """The gate/up and the down projection at 16384 tokens (prefill presets; 4096 and 16384 for llama3) and at 1 and
+    64 tokens (decode)."""
+
+    def shapes(preset: str) -> list[Shape]:
+        up, down, per_token = _MOE[experts]
+        tokens = {"decode": (1, 64), "llama3": (4096, 16384)}.get(preset, (16384,))
+        return [(t * per_token, n, k) for t in tokens for n, k in (up, down)]
+
+    return shapes
+
+
+def _eager_grouped(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """Hugging Face's "eager" experts: a loop over the experts, one matmul each (a host sync for the sizes)."""
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    start = 0
+    for e, size in enumerate(group_sizes.tolist()):
+        out[start:start + size] = x[start:start + size] @ weight[e].T
+        start += size
+    return out
+
+
+def _grouped_mm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """torch._grouped_mm (Hugging Face's "grouped_mm" experts): offsets are the groups' ends, int32."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=torch.cumsum(group_sizes, 0, dtype=torch.int32))
+
+
+def _dense_mm(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """One cuBLAS matmul of the same flops (every row times expert 0): the bar for a grouped kernel."""
+    return x @ weight[0].T
+
+
+def _moe_bench_shapes(name: str) -> Callable[[str], list[Shape]]:
+    """(tokens, H, I): training at 8192 and 16384 tokens (prefill presets), decode at 1 and 64 tokens."""
+    hidden, inter = (4096, 14336) if name == "moe_mixtral" else (2048, 768)
+    return lambda preset: [(t, hidden, inter) for t in {"decode": (1, 64)}.get(preset, (8192, 16384))]
+
+
+def _moe_flops(top_k: int) -> Callable[[str, int, int, int], float]:
+    def count(mode: str, m: int, n: int, k: int) -> float:
+        fwd = 6.0 * m * top_k * n * k  # gate_up (2·I outputs) and down, per token and slot
+        return {"fwd": fwd, "bwd": 2 * fwd, "fwd_bwd": 3 * fwd}[mode]
+
+    return count
+
+
+def _eager_moe(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """Hugging Face's "eager" experts: a loop over the experts that got tokens (a host sync), index_add_ back."""
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        hit = torch.unique(ids).tolist()
+    for e in hit:
+        token, slot = torch.where(ids == e)
+        g, u = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def _hf_grouped_mm_moe() -> Callable[..., Tensor]:
+    """Hugging Face's "grouped_mm" experts (transformers.integrations.moe, on torch._grouped_mm) on a stand-in for
+    its experts module; the same steps written here where that transformers has no experts interface."""
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+    except Exception:
+        grouped_mm_experts_forward = None
+
+    def call(x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        if grouped_mm_experts_forward is not None:
+            module = types.SimpleNamespace(
+                num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, has_gate=True, has_bias=False,
+                is_transposed=False, is_concatenated=True, has_post_expert_norm=False, _is_expert_parallel=False,
+                _apply_gate=lambda t: F.silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1])
+            return grouped_mm_experts_forward(module, x, ids, weights)
+        k = ids.shape[1]
+        ids_sorted, perm = torch.sort(ids.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids_sorted.int(), bins=gate_up.shape[0], min=0, max=gate_up.shape[0] - 1),
+                            0, dtype=torch.int32)
+        h = torch._grouped_mm(x[perm // k], gate_up.transpose(1, 2), offs=offs)
+        g, u = h.chunk(2, -1)
+        y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[perm, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[inv].view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+    return call
+
+
+def _liger_moe() -> dict[str, Callable[..., object]]:
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except Exception:
+        return {}
+    return {"liger": lambda x, gu, dn, ids, w: LigerFusedMoEFunction.apply(x, gu, dn, ids.to(torch.int32), w)}
+
+
 def _bench(name: str, **fields: Any) -> OpBench:
     """``name``'s benchmark: its inputs, gradients and call from ``hkernels.tune.cases``, and ``fields``."""
     op = cases.OPS[name]
@@ -265,6 +367,20 @@ OPS: dict[str, OpBench] = {
         ref=lambda a, b, bias: references.matmul(a, b, bias, "gelu_tanh"),
         dim="hidden", flops_fn=_matmul_flops, shapes=_matmul_shapes(True),
     ),
+    **{name: _bench(
+        name,
+        eager=_eager_grouped,
+        ref=references.grouped_matmul,
+        dim="hidden", flops_fn=_matmul_flops, shapes=_grouped_shapes(experts), compile=False,
+        peers={"grouped_mm": _grouped_mm, "dense_mm": _dense_mm},
+    ) for name, experts in (("grouped_matmul", 8), ("grouped_matmul_e128", 128))},
+    **{name: _bench(
+        name,
+        eager=_eager_moe,
+        ref=references.moe,
+        dim="hidden", flops_fn=_moe_flops(cases.MOE[name][1]), shapes=_moe_bench_shapes(name), compile=False,
+        peers={"grouped_mm": _hf_grouped_mm_moe(), **_liger_moe()},
+    ) for name in cases.MOE},
     "attention": _attention_bench("attention", False, HEAD_DIM),
     "attention_causal": _attention_bench("attention_causal", True, HEAD_DIM),
     "attention_d64": _attention_bench("attention_d64", False, SMALL_HEAD_DIM),
@@ -305,6 +421,10 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
         return [(4, 64, 32), (3, 33, 17)] if cpu else [(256, 4096, 4096), (4096, 4096, 4096)]
     if op.name.startswith("attention"):
         return [(16, HEAD_DIM, 1)] if cpu else [(1024, 4096, 2)]
+    if op.name.startswith("grouped_matmul"):
+        return [(16, 32, 24)] if cpu else [(8192, 4096, 4096)]
+    if op.name.startswith("moe"):
+        return [(16, 32, 24)] if cpu else [(4096, 2048, 768)]
     shapes = QUICK_SHAPES[device.type]
     if op.name in ("rope", "fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]

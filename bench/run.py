@@ -36,9 +36,13 @@ import torch
 
 from bench import cli
 
-BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn")
-DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn")
-PEERS = ("liger", "sdpa_flash", "sdpa_cudnn")  # other libraries: timed for the ops that have them
+BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm",
+            "dense_mm")
+DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm",
+                    "dense_mm")
+# other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; torch._grouped_mm and one
+# dense matmul of the same flops (grouped_matmul)
+PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm", "dense_mm")
 OURS = ("helion", "triton", "auto")
 
 

@@ -61,7 +61,8 @@ _MACHINE_DEFAULTS = {"model": ("1b", "tiny"), "seq": (2048, 32), "batch": (4, 2)
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = cli.parser("train", __doc__)
     p.add_argument("--model", default=None,
-                   help="a bench.model config: 1b or tiny (default: 1b on a GPU, tiny on a CPU)")
+                   help="a bench.model config: 1b, moe (Qwen3-MoE's experts), tiny or tiny_moe (default: 1b on a GPU, "
+                        "tiny on a CPU)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 2048 on a GPU, 32 on a CPU)")
     p.add_argument("--batch", type=int, default=None,
                    help="rows per step, per process under --dist (default: 4 on a GPU, 2 on a CPU)")
@@ -134,6 +135,12 @@ def _liger_patch(model: nn.Module) -> Callable[[], None]:
         if isinstance(m, bench_model.MLP):
             m.forward = types.MethodType(
                 lambda self, x: self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x))), m)
+            undo.append(lambda m=m: m.__dict__.pop("forward"))
+        if isinstance(m, bench_model.Experts):
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+            m.forward = types.MethodType(lambda self, x, index, weights: LigerFusedMoEFunction.apply(
+                x, self.gate_up_proj, self.down_proj, index.to(torch.int32), weights), m)
             undo.append(lambda m=m: m.__dict__.pop("forward"))
     rope = bench_model.apply_rotary_pos_emb
     bench_model.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: LigerRopeFunction.apply(q, k, cos, sin)
@@ -346,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
     say = lambda s: print(s, file=sys.stderr, flush=True)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and not (_interpret.enabled() and args.model == "tiny"):
+    if not on_gpu and not (_interpret.enabled() and args.model in ("tiny", "tiny_moe")):
         say("python -m bench train: needs a CUDA GPU (on a CPU: HKERNELS_INTERPRET=1 with the tiny model, a check of "
             "the harness)")
         return 2

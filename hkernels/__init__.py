@@ -28,8 +28,10 @@ from hkernels.functional.attention import attention  # noqa: E402
 from hkernels.functional.cross_entropy import cross_entropy  # noqa: E402
 from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from hkernels.functional.geglu import geglu  # noqa: E402
+from hkernels.functional.grouped_matmul import grouped_matmul  # noqa: E402
 from hkernels.functional.layer_norm import layer_norm  # noqa: E402
 from hkernels.functional.matmul import matmul  # noqa: E402
+from hkernels.functional.moe import moe  # noqa: E402
 from hkernels.functional.rms_norm import rms_norm  # noqa: E402
 from hkernels.functional.rope import rope  # noqa: E402
 from hkernels.functional.softmax import softmax  # noqa: E402
@@ -47,8 +49,10 @@ __all__ = [
     "cross_entropy",
     "fused_linear_cross_entropy",
     "geglu",
+    "grouped_matmul",
     "layer_norm",
     "matmul",
+    "moe",
     "nn",
     "ops",
     "patch",

@@ -20,6 +20,7 @@ from hkernels.functional.cross_entropy import cross_entropy
 from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy
 from hkernels.functional.geglu import geglu
 from hkernels.functional.layer_norm import layer_norm
+from hkernels.functional.moe import moe
 from hkernels.functional.rms_norm import rms_norm
 from hkernels.functional.rope import rope
 from hkernels.functional.swiglu import swiglu
@@ -31,6 +32,7 @@ __all__ = [
     "GeGLUMLP",
     "LayerNorm",
     "LinearCrossEntropyLoss",
+    "MoEExperts",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLUMLP",
@@ -214,3 +216,37 @@ class LinearCrossEntropyLoss(nn.Module):
             self.reduction, self.label_smoothing,
         )
         return loss.view(target.shape) if self.reduction == "none" else loss
+
+
+class MoEExperts(nn.Module):
+    """The experts of a SwiGLU mixture-of-experts layer on :func:`hkernels.moe`: a drop-in for Hugging Face's
+    experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE): the same parameters, ``gate_up_proj`` [E, 2·I, H] (gate rows,
+    then up rows) and ``down_proj`` [E, H, I], so the same state_dict, and the same call, ``forward(hidden_states
+    [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=device,
+                                                     dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device,
+                                                  dtype=dtype))
+        for p in (self.gate_up_proj, self.down_proj):
+            nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+
+    @classmethod
+    def sharing(cls, experts: nn.Module) -> MoEExperts:
+        """A MoEExperts holding ``experts``' own ``gate_up_proj`` and ``down_proj`` Parameters (not copies)."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_experts, new.hidden_dim, new.intermediate_dim = down.shape[0], down.shape[1], down.shape[2]
+        new.gate_up_proj, new.down_proj = gate_up, down
+        return new
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts}, {self.hidden_dim}, {self.intermediate_dim}"

@@ -19,6 +19,14 @@ What is replaced (``ops`` picks; default all):
   (their shifted loss, ``num_items_in_batch``, ``shift_labels``), and modules that declare how their loss is
   computed (``hkernels_loss_inputs(input_ids, labels) -> (hidden [..., H], shifted labels [...], output_cls)``,
   as ``bench.model`` does). Calls without labels run the model's own forward.
+- ``moe``: the experts of Hugging Face's mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE and any experts
+  class built on transformers' experts interface, ``@use_experts_implementation``) -> :func:`hkernels.moe`, through
+  that interface: an ``"hkernels"`` experts implementation is registered and the model's config selects it
+  (a config whose experts have biases, transposed or interleaved weights, a post-expert norm, expert parallelism or
+  an activation other than SiLU keeps its implementation; a call with hidden states in another dtype than the
+  weights runs the implementation selected before). Transformers without the interface: nothing is replaced. Experts
+  modules that declare ``hkernels_experts = "swiglu"`` (``bench.model``'s) -> :class:`hkernels.nn.MoEExperts`
+  holding the same Parameters.
 - ``attention`` (opt-in: not in the default set): causal self-attention without a mask on
   :func:`hkernels.attention` — Hugging Face's "sdpa" attention function (calls with a mask, dropout, a position
   bias, soft-capping, decoding or an unsupported head dim keep SDPA), and module-level ``causal_attention(q, k, v)``
@@ -43,12 +51,14 @@ from hkernels import nn as hnn
 from hkernels.functional import attention as _attention
 from hkernels.functional import fused_linear_cross_entropy as _linear_loss
 from hkernels.functional import geglu as _geglu
+from hkernels.functional import moe as _moe
 from hkernels.functional import rope as _rope
 from hkernels.functional import swiglu as _swiglu
 
 Tensor = torch.Tensor
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "attention")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "moe",
+       "attention")
 # What ops=None patches: attention is opt-in (ops=[..., "attention"]): its effect on whole models is unmeasured.
 DEFAULT_OPS = tuple(o for o in OPS if o != "attention")
 _RECORD = "_hkernels_patches"
@@ -57,7 +67,8 @@ _RECORD = "_hkernels_patches"
 @dataclass
 class Replacement:
     """One change made by :func:`patch`: ``where`` (a module path, or ``module.function``), the op, ``kind``
-    ("module", "forward" or "function"), and the objects before and after."""
+    ("module", "forward", "function", "registry" or "experts": a config's experts implementation), and the objects
+    before and after."""
 
     where: str
     op: str
@@ -115,6 +126,12 @@ def _new_layer_norm(m: nn.Module) -> nn.Module | None:
     new = hnn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
     new.weight, new.bias = m.weight, m.bias
     return new
+
+
+def _new_experts(m: nn.Module) -> nn.Module | None:
+    if getattr(type(m), "hkernels_experts", None) != "swiglu" or not _hf_experts_ok(m):
+        return None
+    return hnn.MoEExperts.sharing(m)
 
 
 def _new_loss(m: nn.Module) -> nn.Module | None:
@@ -232,6 +249,51 @@ def _hf_sdpa(original: Any) -> Any:
     return attention
 
 
+def _hf_experts_ok(m: nn.Module) -> bool:
+    """A Hugging Face experts module that :func:`hkernels.moe` computes exactly: concatenated [gate; up] weights
+    [E, 2·I, H], no biases, no post-expert norm, SiLU, all experts local."""
+    act = getattr(m, "act_fn", None)
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3
+            and getattr(m, "has_gate", True) and not getattr(m, "has_bias", False)
+            and not getattr(m, "is_transposed", False) and getattr(m, "is_concatenated", True)
+            and not getattr(m, "has_post_expert_norm", False) and not getattr(m, "_is_expert_parallel", False)
+            and (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"))
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
+
+
+def hf_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+                       ) -> Tensor:
+    """Hugging Face's experts forward (the ``"hkernels"`` experts implementation) on :func:`hkernels.moe`; a call
+    it does not compute exactly (hidden states in another dtype than the weights) runs the implementation the
+    model had before patching."""
+    if hidden_states.dtype == self.gate_up_proj.dtype and _hf_experts_ok(self):
+        return _moe.moe(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    before = self.__dict__.get(_BEFORE, "eager")
+    own = type(self).forward.__wrapped__
+    return ALL_EXPERTS_FUNCTIONS.get_interface(before, own)(self, hidden_states, top_k_index, top_k_weights)
+
+
+hf_experts_forward.hkernels = True  # type: ignore[attr-defined]
+_EXPERTS = "hkernels"
+_BEFORE = "_hkernels_experts_before"  # on a patched experts module: the implementation its config selected before
+
+
+def _hf_experts_configs(model: nn.Module) -> list[tuple[str, Any, list[nn.Module]]]:
+    """(path of the first, config, modules) for each distinct config that selects the experts implementation of
+    ``model``'s experts modules built on transformers' experts interface."""
+    found: dict[int, tuple[str, Any, list[nn.Module]]] = {}
+    for path, m in model.named_modules():
+        forward = getattr(type(m), "forward", None)
+        config = getattr(m, "config", None)
+        if (getattr(forward, "__wrapped__", None) is not None and hasattr(m, "gate_up_proj")
+                and hasattr(config, "_experts_implementation_internal")):
+            found.setdefault(id(config), (path, config, []))[2].append(m)
+    return list(found.values())
+
+
 # Hugging Face causal LMs whose loss is the plain shifted cross-entropy of ``lm_head(model(...))`` (no logit
 # soft-capping or scaling), patched by class name.
 HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -318,7 +380,8 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"hkernels.patch: model must be a torch.nn.Module, got {type(model).__name__}")
     done: list[Replacement] = []
-    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss)]
+    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss),
+                ("moe", _new_experts)]
     hooked = []
     for path, m in list(model.named_modules()):
         if not path:
@@ -347,6 +410,21 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
             m.forward = _bind(m, loss_forward)
             done.append(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
                                     m.forward))
+    if "moe" in wanted:
+        configs = _hf_experts_configs(model)
+        if configs:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            ALL_EXPERTS_FUNCTIONS.register(_EXPERTS, hf_experts_forward)
+            for path, config, modules in configs:
+                old = config._experts_implementation_internal
+                # Only where hkernels.moe computes every experts module of the config exactly (not biases,
+                # transposed weights, other activations...): the others keep the implementation they have.
+                if old != _EXPERTS and all(_hf_experts_ok(m) for m in modules):
+                    for m in modules:
+                        m.__dict__[_BEFORE] = old
+                    config._experts_implementation_internal = _EXPERTS
+                    done.append(Replacement(path, "moe", "experts", old, _EXPERTS))
     if "rope" in wanted:
         for mod_name in sorted({type(m).__module__ for m in model.modules()}):
             mod = sys.modules.get(mod_name)
@@ -388,6 +466,12 @@ def unpatch(model: nn.Module) -> list[Replacement]:
         elif r.kind == "forward":
             target = model if r.where == "<model>" else model.get_submodule(r.where)
             target.__dict__.pop("forward", None)
+        elif r.kind == "experts":
+            config = model.get_submodule(r.where).config
+            config._experts_implementation_internal = r.old
+            for m in model.modules():
+                if getattr(m, "config", None) is config:
+                    m.__dict__.pop(_BEFORE, None)
         elif r.kind == "registry":
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

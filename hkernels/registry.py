@@ -44,6 +44,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("fused_linear_cross_entropy", "hkernels.ops.fused_linear_cross_entropy",
        "triton_fallback.fused_linear_cross_entropy", "hkernels.functional.fused_linear_cross_entropy"),
     Op("matmul", "hkernels.ops.matmul", "triton_fallback.matmul", "hkernels.functional.matmul"),
+    Op("grouped_matmul", "hkernels.ops.grouped_matmul", "triton_fallback.grouped_matmul",
+       "hkernels.functional.grouped_matmul"),
+    Op("moe", "hkernels.ops.moe", "triton_fallback.moe", "hkernels.functional.moe"),
     Op("attention", "hkernels.ops.attention", "triton_fallback.attention", "hkernels.functional.attention"),
 )}
 

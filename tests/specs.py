@@ -377,7 +377,93 @@ def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, ca
     return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention)
 
 
+def _torch_grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """PyTorch per group in the input dtype (each group's product rounded once, as a grouped kernel's)."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=x.shape[0]).tolist()
+    outs, start = [], 0
+    for e, end in enumerate(ends):
+        outs.append(x[start:end] @ weight[e].T)
+        start = end
+    outs.append(x.new_zeros((x.shape[0] - start, weight.shape[1])) + 0.0 * x[start:, :1])  # zeros past the sum
+    return torch.cat(outs)
+
+
+def _gmm_case(name: str, t: int, k: int, n: int, sizes: list[int] | None = None, experts: int = 4,
+              transposed_weight: bool = False, gpu_only: bool = False) -> Case:
+    """x [T, K], weight [E, N, K] (or a transposed view of [E, K, N]), group sizes given or drawn (summing to T)."""
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        x = _randn(g, t, k)
+        w = _randn(g, experts, k, n).transpose(1, 2) if transposed_weight else _randn(g, experts, n, k)
+        if sizes is None:
+            cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,), generator=g)).values.tolist()
+            drawn = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)])
+        else:
+            drawn = torch.tensor(sizes)
+        return {"x": x, "weight": w * k**-0.5}, {"group_sizes": drawn}
+
+    return Case("grouped_matmul", name, make, ("x", "weight"), gpu_only=gpu_only, base=_torch_grouped_matmul)
+
+
+def _torch_moe(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+    """PyTorch one expert at a time in the input dtype (Hugging Face's eager experts: each product and the SwiGLU
+    rounded), the k slots summed in float32."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    ids = topk_ids.reshape(x2.shape[0], topk_ids.shape[-1])
+    w = topk_weights.reshape(ids.shape)
+    out = torch.zeros(x2.shape, dtype=torch.float32, device=x.device) + 0.0 * x2[:1, :1].float()
+    for e in range(gate_up_proj.shape[0]):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel():
+            g, u = (x2[t] @ gate_up_proj[e].T).chunk(2, -1)
+            y = (torch.nn.functional.silu(g) * u) @ down_proj[e].T
+            out = out.index_add(0, t, (y * w[t, j, None]).float())
+    return out.to(x.dtype).view(shape)
+
+
+def _moe_case(name: str, t: int | tuple[int, ...], h: int, i: int, experts: int, k: int,
+              ids: list[list[int]] | None = None, transposed_weights: bool = False, gpu_only: bool = False) -> Case:
+    """x [*t, H], gate_up [E, 2I, H], down [E, H, I] (or transposed views), ids given or drawn, weights in [0, 1)."""
+    lead = t if isinstance(t, tuple) else (t,)
+
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        x = _randn(g, *lead, h)
+        if transposed_weights:
+            gate_up = _randn(g, experts, h, 2 * i, scale=h**-0.5).transpose(1, 2)
+            down = _randn(g, experts, i, h, scale=i**-0.5).transpose(1, 2)
+        else:
+            gate_up = _randn(g, experts, 2 * i, h, scale=h**-0.5)
+            down = _randn(g, experts, h, i, scale=i**-0.5)
+        drawn = (torch.tensor(ids) if ids is not None
+                 else torch.randint(0, experts, (*lead, k), generator=g)).reshape(*lead, k)
+        weights = torch.rand((*lead, k), generator=g, dtype=torch.float64)
+        return ({"x": x, "gate_up_proj": gate_up, "down_proj": down, "topk_weights": weights},
+                {"topk_ids": drawn})
+
+    return Case("moe", name, make, ("x", "gate_up_proj", "down_proj", "topk_weights"), gpu_only=gpu_only,
+                base=_torch_moe)
+
+
 CASES_LLM += [
+    _moe_case("drawn", 37, 48, 40, 5, 2),
+    _moe_case("repeats_idle_expert", 4, 32, 24, 4, 3, ids=[[0, 0, 1], [2, 2, 2], [1, 0, 2], [0, 1, 1]]),
+    _moe_case("one_token_k1", 1, 32, 16, 3, 1, ids=[[2]]),
+    _moe_case("top1", 30, 32, 24, 3, 1),
+    _moe_case("ids_out_of_range", 5, 32, 16, 4, 2, ids=[[0, -1], [4, 1], [3, 7], [-5, -5], [2, 3]]),
+    _moe_case("weights_t", 21, 40, 24, 4, 2, transposed_weights=True),
+    _moe_case("batched_3d", (2, 9), 32, 16, 6, 2),
+    _moe_case("qwen3_moe_like", 256, 256, 128, 16, 4, gpu_only=True),
+]
+
+CASES_LLM += [
+    _gmm_case("drawn", 37, 40, 24),
+    _gmm_case("empty_groups", 20, 32, 16, sizes=[0, 12, 0, 8]),
+    _gmm_case("one_token", 1, 64, 48, sizes=[0, 1, 0, 0]),
+    _gmm_case("one_expert", 9, 16, 33, sizes=[9], experts=1),
+    _gmm_case("short_sum", 20, 16, 16, sizes=[3, 5, 0, 2]),  # rows past the sum: zeros
+    _gmm_case("over_sum_negative", 20, 16, 16, sizes=[-2, 15, 30, 1]),  # clamped
+    _gmm_case("weight_t", 33, 48, 40, transposed_weight=True),
+    _gmm_case("qwen3_moe_like", 600, 256, 192, experts=16, gpu_only=True),
     _mm_case("one_row", 1, 64, 48),
     _mm_case("odd", 37, 17, 53),
     _mm_case("n1", 5, 32, 1),

@@ -48,6 +48,11 @@ GOOD: dict[str, tuple[Callable[[torch.device], dict[str, Any]], str, str | None]
         lambda d: {"hidden": _f(d, 3, 4), "weight": _f(d, 10, 4), "target": _idx(d, 3, 10)}, "hidden", "weight"),
     "matmul": (lambda d: {"a": _f(d, 3, 4), "b": _f(d, 4, 5)}, "a", "b"),
     "attention": (lambda d: {"q": _f(d, 1, 2, 3, 16), "k": _f(d, 1, 1, 3, 16), "v": _f(d, 1, 1, 3, 16)}, "q", "k"),
+    "grouped_matmul": (lambda d: {"x": _f(d, 5, 4), "weight": _f(d, 2, 3, 4),
+                                  "group_sizes": torch.tensor([2, 3], device=d)}, "x", "weight"),
+    "moe": (lambda d: {"x": _f(d, 3, 4), "gate_up_proj": _f(d, 2, 6, 4), "down_proj": _f(d, 2, 4, 3),
+                       "topk_ids": torch.tensor([[0, 1], [1, 1], [0, 0]], device=d), "topk_weights": _f(d, 3, 2)},
+            "x", "gate_up_proj"),
 }
 
 
@@ -123,6 +128,47 @@ def test_bad_input_raises_naming_the_op_and_the_problem(op, cell, device):
         else:
             with hkernels.use_backend(backend):
                 getattr(hkernels, op)(**args)
+
+
+@pytest.mark.parametrize(("bad", "error", "pattern"), [
+    (lambda d: torch.tensor([2.0, 3.0], device=d), TypeError, r"group_sizes must be a 1-d int32 or int64 tensor, got "
+     r"torch\.float32"),
+    (lambda d: torch.tensor([[2, 3]], device=d), TypeError, r"group_sizes must be a 1-d .* shape \[1, 2\]"),
+    (lambda d: torch.tensor([1, 1, 3], device=d), ValueError, r"group_sizes has 3 entries for 2 experts"),
+    (lambda d: [2, 3], TypeError, r"group_sizes must be a 1-d int32 or int64 tensor, got list"),
+    (lambda d: torch.tensor([2, 3], device="meta"), ValueError, r"group_sizes is on meta"),
+], ids=["float", "2d", "length", "list", "device"])
+def test_grouped_matmul_group_sizes_are_checked(bad, error, pattern, device):
+    """group_sizes is read on the device: its type, length and device are checked on the host (its values are not:
+    a host sync; they are clamped as documented)."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    x, w = _f(device, 5, 4), _f(device, 2, 3, 4)
+    with pytest.raises(error, match=r"hkernels\.grouped_matmul: " + pattern):
+        hkernels.grouped_matmul(x, w, bad(device))
+
+
+@pytest.mark.parametrize(("change", "error", "pattern"), [
+    (lambda a: {"topk_ids": a["topk_ids"].float()}, TypeError, r"topk_ids must be an int32 or int64 tensor, got "
+     r"torch\.float32"),
+    (lambda a: {"topk_ids": a["topk_ids"].tolist()}, TypeError, r"topk_ids must be an int32 or int64 tensor, got list"),
+    (lambda a: {"topk_weights": a["topk_ids"]}, TypeError, r"topk_weights must be a floating tensor, got torch\.int64"),
+    (lambda a: {"topk_weights": a["topk_weights"][:, :1]}, ValueError, r"topk_ids \[3, 2\] and topk_weights \[3, 1\]"),
+    (lambda a: {"topk_ids": a["topk_ids"][:2], "topk_weights": a["topk_weights"][:2]}, ValueError,
+     r"topk_ids \[2, 2\] .* must both be \[\.\.\., k\] with x's leading dims \[3\]"),
+    (lambda a: {"down_proj": a["down_proj"][:1]}, ValueError, r"down_proj must be \[E, H, I\] = \[2, 4, 3\]"),
+    (lambda a: {"gate_up_proj": a["gate_up_proj"][:, :5]}, ValueError, r"gate_up_proj must be \[E, 2·I, H\]"),
+    (lambda a: {"topk_ids": a["topk_ids"].to("meta")}, ValueError, r"topk_ids is on meta"),
+], ids=["ids_float", "ids_list", "weights_int", "weights_shape", "tokens", "experts", "odd_gate_up", "device"])
+def test_moe_routing_is_checked(change, error, pattern, device):
+    """The routing's types, shapes and devices are checked on the host with the op named; the ids' values are not
+    (a host sync): an id outside [0, E) selects nothing, as documented."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args = GOOD["moe"][0](device)
+    args.update(change(args))
+    with pytest.raises(error, match=r"hkernels\.moe: " + pattern):
+        hkernels.moe(**args)
 
 
 @pytest.mark.parametrize("eps", [0.0, -1e-6, 0, math.nan, math.inf, -math.inf])

@@ -87,6 +87,10 @@ def _llm_inputs(op: str, device: torch.device) -> tuple[list[torch.Tensor], list
         "fused_linear_cross_entropy": [t(6, 16), t(40, 16, scale=0.25), target],
         "matmul": [t(2, 5, 16), t(2, 16, 12, scale=0.25), t(12)],
         "attention": [t(1, 4, 9, 16), t(1, 2, 9, 16), t(1, 2, 9, 16)],
+        "grouped_matmul": [t(9, 16), t(3, 12, 16, scale=0.25), torch.tensor([4, 0, 5], device=device)],
+        "moe": [t(7, 16), t(3, 24, 16, scale=0.25), t(3, 16, 12, scale=0.25),
+                torch.tensor([[0, 2], [2, 2], [1, 0], [0, 1], [2, 0], [1, 1], [0, 2]], device=device),
+                torch.rand(7, 2, generator=g).to(device).requires_grad_()],
     }[op]
     return made, [x for x in made if x.requires_grad]
 
@@ -97,7 +101,7 @@ def _llm_sum(out) -> torch.Tensor:
 
 
 LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "matmul",
-           "attention"]
+           "attention", "grouped_matmul", "moe"]
 LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True}}
 
 
@@ -165,6 +169,8 @@ def test_llm_custom_op_registration(op, fused, device):
         ),
         "matmul": lambda a: (ops.matmul_fwd.default, (a[0], a[1], a[2], "silu", True, "")),
         "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, "")),
+        "grouped_matmul": lambda a: (ops.grouped_matmul_fwd.default, (a[0], a[1], a[2], "")),
+        "moe": lambda a: (ops.moe_fwd.default, (a[0], a[1], a[2], a[3], a[4], True, "")),
     }[op](inputs)
     if fused:
         utils = ("test_schema", "test_autograd_registration", "test_faketensor")

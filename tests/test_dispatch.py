@@ -36,8 +36,8 @@ def _x(device: torch.device, n: int = 16) -> torch.Tensor:
 
 def test_ops_lists_every_op():
     assert hkernels.ops() == [
-        "add_rms_norm", "attention", "cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "matmul",
-        "rms_norm", "rope", "softmax", "swiglu",
+        "add_rms_norm", "attention", "cross_entropy", "fused_linear_cross_entropy", "geglu", "grouped_matmul",
+        "layer_norm", "matmul", "moe", "rms_norm", "rope", "softmax", "swiglu",
     ]
 
 
@@ -69,7 +69,8 @@ def test_a_plain_call_imports_no_compiler_and_no_kernel_backend():
 
 
 def test_backends_rejects_unknown_op():
-    with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, matmul, rms_norm, rope, softmax, swiglu"):
+    with pytest.raises(ValueError,
+                       match=r"unknown op 'gelu'.*layer_norm, matmul, moe, rms_norm, rope, softmax, swiglu"):
         hkernels.backends("gelu")
 
 
@@ -110,7 +111,7 @@ def test_env_is_read_at_call_time(monkeypatch, device):
     assert hkernels.selected_backend("softmax", x) == "torch"
 
 
-VALID = r"(auto, helion, triton, torch|layer_norm, matmul, rms_norm, rope, softmax, swiglu)"
+VALID = r"(auto, helion, triton, torch|layer_norm, matmul, moe, rms_norm, rope, softmax, swiglu)"
 
 
 @pytest.mark.parametrize("env", ["cuda", "helion,softmax=fast", "gelu=triton"])

@@ -30,7 +30,16 @@ from hypothesis import strategies as st
 import hkernels
 from hkernels import references
 from tests.conftest import ON_GPU
-from tests.specs import TOLERANCES, _torch_attention, _torch_chunked_linear_ce, _torch_matmul, cast_case, ulps
+from tests.specs import (
+    TOLERANCES,
+    _torch_attention,
+    _torch_chunked_linear_ce,
+    _torch_grouped_matmul,
+    _torch_matmul,
+    _torch_moe,
+    cast_case,
+    ulps,
+)
 from tests.test_llm_ops import _leaves, _outputs
 
 Tensor = torch.Tensor
@@ -187,6 +196,31 @@ def _attention(d: Draw) -> Made:
     return tensors, {"causal": causal, "scale": scale}, ("q", "k", "v"), _torch_attention
 
 
+def _grouped_matmul(d: Draw) -> Made:
+    # 7 tokens first: the bad-input matrix's fixed cells take each first option and need a kernel to run
+    t, k, n = d.pick([7, *ROWS], "tokens"), d.pick([1, 16, 17, 64], "k"), d.pick([1, 16, 33, 48], "n")
+    experts = d.pick([1, 2, 5], "experts")
+    tensors = {"x": d.main(t, k), "weight": d.randn(experts, n, k, scale=k**-0.5)}
+    cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,), generator=d.gen)).values.tolist()
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)]
+    if d.pick([False, True], "short sum") and t:
+        sizes[-1] -= 1  # the last row belongs to no group: zeros
+    return tensors, {"group_sizes": torch.tensor(sizes)}, ("x", "weight"), _torch_grouped_matmul
+
+
+def _moe(d: Draw) -> Made:
+    # 7 tokens first (see _grouped_matmul)
+    t, h, i = d.pick([7, *ROWS], "tokens"), d.pick([16, 17, 64], "hidden"), d.pick([8, 16, 33], "intermediate")
+    experts, k = d.pick([1, 3, 8], "experts"), d.pick([1, 2, 4], "k")
+    tensors = {"x": d.main(t, h), "gate_up_proj": d.randn(experts, 2 * i, h, scale=h**-0.5),
+               "down_proj": d.randn(experts, h, i, scale=i**-0.5),
+               "topk_weights": torch.rand((t, k), generator=d.gen, dtype=torch.float64)}
+    ids = torch.randint(0, experts, (t, k), generator=d.gen)
+    if d.pick([False, True], "id out of range") and t:
+        ids[0, 0] = experts  # selects nothing
+    return tensors, {"topk_ids": ids}, ("x", "gate_up_proj", "down_proj", "topk_weights"), _torch_moe
+
+
 MAKERS: dict[str, Callable[[Draw], Made]] = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -198,6 +232,8 @@ MAKERS: dict[str, Callable[[Draw], Made]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "matmul": _matmul,
+    "grouped_matmul": _grouped_matmul,
+    "moe": _moe,
     "attention": _attention,
 }
 

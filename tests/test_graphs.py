@@ -43,6 +43,11 @@ MAKERS: dict[str, tuple[Callable[[torch.Generator], tuple[list[Tensor], list[Ten
                lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh")),
     "attention": (lambda g: ([_t(g, 1, 8, 100, 64), _t(g, 1, 2, 100, 64), _t(g, 1, 2, 100, 64)], []),
                   lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+    "grouped_matmul": (lambda g: ([_t(g, 300, 128), _t(g, 8, 96, 128, scale=0.09)],
+                                  [torch.tensor([40, 0, 100, 60, 30, 20, 50, 0])]), hkernels.grouped_matmul),
+    "moe": (lambda g: ([_t(g, 100, 128), _t(g, 8, 192, 128, scale=0.09), _t(g, 8, 128, 96, scale=0.1),
+                        torch.rand(100, 2, generator=g)], [torch.randint(0, 8, (100, 2), generator=g)]),
+            lambda x, gu, dn, tw, ids: hkernels.moe(x, gu, dn, ids, tw)),
 }
 
 

@@ -76,3 +76,34 @@ def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch)
         problems.append(max_error(f"d{name}", got, want, base, dtype, terms))
     problems = [p for p in problems if p]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_frozen_experts_skip_the_weight_gradients(backend, device, monkeypatch):
+    """With the experts' weights frozen (LoRA, router-only training) the backward computes dx and the routing
+    weights' gradient only: no weight-gradient kernel runs, and the two gradients are the same as with every
+    gradient wanted. float64 routing weights with float32 x run on the kernels (read as float32), their gradient
+    float64."""
+    import triton_fallback.moe as triton_moe
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 32, generator=g).to(device)
+    gu, dn = (torch.randn(s, generator=g).to(device) * 0.2 for s in ((3, 32, 32), (3, 32, 16)))
+    ids = torch.randint(0, 3, (13, 2), generator=g).to(device)
+    tw = torch.rand(13, 2, generator=g, dtype=torch.float64).to(device)
+    up = torch.randn(13, 32, generator=g).to(device)
+
+    def grads(*params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [t.clone().requires_grad_() for t in (x, tw)]
+        with hkernels.use_backend(backend):
+            out = hkernels.moe(leaves[0], *params, ids, leaves[1])
+        return torch.autograd.grad(out, leaves, up)
+
+    want = grads(gu.clone().requires_grad_(), dn.clone().requires_grad_())
+    calls = []
+    real = triton_moe.dweight_into
+    monkeypatch.setattr(triton_moe, "dweight_into", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = grads(gu, dn)
+    assert got[1].dtype == torch.float64 and not calls
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

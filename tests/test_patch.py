@@ -282,3 +282,28 @@ def test_gemma_style_rms_norm_is_left_alone(device):
 
     net = nn.Sequential(GemmaRMSNorm())
     assert hkernels.patch(net) == []
+
+
+def test_bench_moe_model_experts_become_moe_experts_and_match(device):
+    """bench.model's marked experts module -> hkernels.nn.MoEExperts sharing its Parameters; loss and gradients of
+    the tiny MoE model match the unpatched one; unpatch puts the module back."""
+    model = bench_model.build("tiny_moe", device)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3)).to(device)
+    want = plain(ids, labels=ids).loss
+    want.backward()
+    old = model.model.layers[0].mlp.experts
+    done = hkernels.patch(model, ops=["moe"])
+    try:
+        assert [r.where for r in done] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        new = model.model.layers[0].mlp.experts
+        assert isinstance(new, hnn.MoEExperts) and new.gate_up_proj is old.gate_up_proj
+        with hkernels.use_backend("triton"):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)
+    assert model.model.layers[0].mlp.experts is old

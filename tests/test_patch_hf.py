@@ -175,3 +175,99 @@ def test_hf_attention_patch_runs_plain_causal_calls_and_restores(monkeypatch, de
     finally:
         unpatch(model)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+
+
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
+
+
+def _tiny_moe(family: str, device: torch.device):
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48, num_experts=6,
+                                          num_experts_per_tok=2, norm_topk_prob=True)
+        model_cls = transformers.Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48, num_experts=6,
+                                          num_experts_per_tok=3, shared_expert_intermediate_size=32)
+        model_cls = transformers.Qwen2MoeForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(**common, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2)
+        model_cls = transformers.MixtralForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_cls(cfg).to(device)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, ids
+
+
+def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_hf_moe_experts_run_on_hkernels_and_match(family, device, monkeypatch):
+    """The experts of Hugging Face's MoE models through transformers' experts interface: the model's config
+    selects the "hkernels" implementation (no module replaced), every experts call reaches hkernels.moe, and the
+    loss and every gradient match the unpatched model; unpatch restores the previous implementation."""
+    model, ids = _tiny_moe(family, device)
+    plain = copy.deepcopy(model)
+    labels = ids.clone()
+    want = plain(input_ids=ids, labels=labels).loss
+    want.backward()
+    before = model.config._experts_implementation
+    calls = []
+    real = hkernels.patch.__globals__["_moe"].moe
+    monkeypatch.setattr(hkernels.patch.__globals__["_moe"], "moe", lambda *a: calls.append(1) or real(*a))
+    done = hkernels.patch(model, ops=["moe"])
+    try:
+        assert [r.op for r in done] == ["moe"] and model.config._experts_implementation == "hkernels"
+        assert not any(isinstance(m, hnn.MoEExperts) for m in model.modules())
+        with hkernels.use_backend("triton"):
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        assert len(calls) == len(_experts(model)) == 2
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)
+    assert model.config._experts_implementation == before
+
+
+def test_hf_moe_experts_module_is_a_drop_in(device):
+    """hkernels.nn.MoEExperts: the same parameters and state_dict keys as Hugging Face's Qwen3-MoE experts, the
+    same call and result; ``sharing`` holds the module's own Parameters."""
+    model, _ = _tiny_moe("qwen3_moe", device)
+    hf = _experts(model)[0]
+    ours = hnn.MoEExperts(hf.num_experts, hf.hidden_dim, hf.intermediate_dim, device=device)
+    ours.load_state_dict(hf.state_dict())
+    assert list(ours.state_dict()) == list(hf.state_dict())
+    shared = hnn.MoEExperts.sharing(hf)
+    assert shared.gate_up_proj is hf.gate_up_proj and shared.down_proj is hf.down_proj
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, hf.hidden_dim, generator=g).to(device)
+    idx = torch.randint(0, hf.num_experts, (7, 2), generator=g).to(device)
+    w = torch.rand(7, 2, generator=g).to(device)
+    model.config._experts_implementation_internal = "eager"
+    with torch.no_grad(), hkernels.use_backend("triton"):
+        torch.testing.assert_close(ours(x, idx, w), hf(x, idx, w), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(shared(x, idx, w), hf(x, idx, w), rtol=1e-4, atol=1e-5)
+
+
+def test_hf_moe_patch_leaves_experts_it_cannot_compute(device):
+    """A config whose experts hkernels.moe does not compute exactly (here: biases) keeps its implementation; a
+    patched experts module remembers the implementation its config had, which unpatch forgets."""
+    from hkernels.patch import _BEFORE
+
+    model, _ = _tiny_moe("qwen3_moe", device)
+    before = model.config._experts_implementation
+    for m in _experts(model):
+        m.has_bias = True
+    assert hkernels.patch(model, ops=["moe"]) == [] and model.config._experts_implementation == before
+    for m in _experts(model):
+        m.has_bias = False
+    done = hkernels.patch(model, ops=["moe"])
+    assert len(done) == 1 and all(m.__dict__[_BEFORE] == before for m in _experts(model))
+    unpatch(model)
+    assert model.config._experts_implementation == before and not any(_BEFORE in m.__dict__ for m in _experts(model))

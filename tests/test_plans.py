@@ -37,6 +37,11 @@ CASES: dict[str, tuple[Callable[[torch.Generator], tuple[list[Tensor], list[Any]
     "cross_entropy": (lambda g: ([_t(g, 6, 40, scale=2.0)], [torch.randint(0, 40, (6,), generator=g)]),
                       hkernels.cross_entropy),
     "matmul": (lambda g: ([_t(g, 5, 16), _t(g, 16, 12, scale=0.25), _t(g, 12)], ["silu"]), hkernels.matmul),
+    "grouped_matmul": (lambda g: ([_t(g, 9, 16), _t(g, 3, 12, 16, scale=0.25)], [torch.tensor([4, 0, 5])]),
+                       hkernels.grouped_matmul),
+    "moe": (lambda g: ([_t(g, 7, 16), _t(g, 3, 24, 16, scale=0.25), _t(g, 3, 16, 12, scale=0.25),
+                        torch.rand(7, 2, generator=g)], [torch.randint(0, 3, (7, 2), generator=g)]),
+            lambda x, gu, dn, tw, ids: hkernels.moe(x, gu, dn, ids, tw)),
 }
 
 

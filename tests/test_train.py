@@ -26,6 +26,17 @@ def test_train_smoke_writes_results(tmp_path):
     assert rc == (0 if data["converge"]["match"] else 1)
 
 
+def test_train_moe_model_patches_its_experts(tmp_path):
+    """The tiny MoE model (Qwen3-MoE's block, experts as transformers' grouped_mm): hkernels.patch puts its experts
+    on hkernels.moe and the patched run's loss curve matches eager's."""
+    rc = train.main(["--model", "tiny_moe", "--seq", "8", "--batch", "2", "--steps", "1", "--warmup", "1",
+                     "--variants", "eager,hkernels-triton", "--converge", "3", "--converge-variant", "hkernels-triton",
+                     "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["variant"] for r in data["rows"]] == ["eager", "hkernels-triton"]
+    assert data["converge"]["match"] and rc == 0
+
+
 def test_curve_comparison_flags_a_drift():
     eager = [5.0 - 0.03 * i for i in range(40)]
     assert train.compare_curves(eager, [x + 0.01 for x in eager])["match"]

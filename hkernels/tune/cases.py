@@ -101,10 +101,41 @@ def _attention(head_dim: int) -> Make:
     return make
 
 
+def _grouped(experts: int) -> Make:
+    """x [M, K] (M = tokens × experts per token), weight [E, N, K], balanced routing: M / E rows per expert."""
+
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        x = torch.randn((m, k), generator=g, device=device, dtype=dtype)
+        weight = torch.randn((experts, n, k), generator=g, device=device, dtype=dtype) * k**-0.5
+        sizes = torch.full((experts,), m // experts, dtype=torch.int32)
+        sizes[: m % experts] += 1
+        return [x, weight, sizes.to(device)]
+
+    return make
+
+
+def _moe(experts: int, top_k: int, zipf: float = 0.0) -> Make:
+    """x [M, N] (M tokens, N = H), gate_up [E, 2K, N], down [E, N, K] (K = I), routing: each token's top_k distinct
+    experts drawn with probability ∝ 1 / (rank + 1)^zipf (0: uniform), weights a softmax over the chosen scores."""
+
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        x = torch.randn((m, n), generator=g, device=device, dtype=dtype)
+        gate_up = torch.randn((experts, 2 * k, n), generator=g, device=device, dtype=dtype) * n**-0.5
+        down = torch.randn((experts, n, k), generator=g, device=device, dtype=dtype) * k**-0.5
+        ranks = torch.arange(1, experts + 1, device=device, dtype=torch.float32)
+        uniform = torch.rand((m, experts), generator=g, device=device).clamp_min(1e-12)
+        gumbel = -torch.log(-torch.log(uniform))  # top-k of log p + Gumbel noise: k draws without replacement
+        scores, ids = torch.topk(-zipf * torch.log(ranks) + gumbel, top_k, dim=1)
+        return [x, gate_up, down, ids, torch.softmax(scores, 1).to(dtype)]
+
+    return make
+
+
 # Cases that are variants of one op (another head dim, causal, a fused activation): the op the dispatcher routes
 # them as, whose auto buckets they share (their times are summed per shape).
 OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
-         "matmul_gelu": "matmul"}
+         "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe"}
+MOE = {"moe": (128, 8, 0.0), "moe_zipf": (128, 8, 1.2), "moe_mixtral": (8, 2, 0.0)}  # experts, top-k, Zipf exponent
 
 OPS: dict[str, OpInputs] = {
     op.name: op
@@ -125,6 +156,10 @@ OPS: dict[str, OpInputs] = {
         OpInputs("attention", _attention(HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_causal", _attention(HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+        OpInputs("grouped_matmul", _grouped(8), (0, 1), hkernels.grouped_matmul),  # Mixtral's 8 experts
+        OpInputs("grouped_matmul_e128", _grouped(128), (0, 1), hkernels.grouped_matmul),  # Qwen3-MoE's 128
+        # Qwen3-30B-A3B's experts (uniform and Zipf-skewed routing) and Mixtral-8x7B's
+        *(OpInputs(name, _moe(*spec), (0, 1, 2, 4), hkernels.moe) for name, spec in MOE.items()),
         OpInputs("attention_d64", _attention(SMALL_HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_d64_causal", _attention(SMALL_HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),

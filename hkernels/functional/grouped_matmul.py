@@ -1,0 +1,152 @@
+"""grouped_matmul: the experts of a mixture of experts, ``y[rows of group e] = x[rows] @ weight[e]ᵀ``.
+
+The public function and its checks, its autograd (custom ops ``hkernels::grouped_matmul_fwd`` and ``_bwd``), then
+the reference math and the torch backend. Kernels: ``hkernels/ops/grouped_matmul.py`` (Helion),
+``triton_fallback/grouped_matmul.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import Public, Tensor, autograd, call, check_same, check_tensor, compute_dtype
+
+OP = "grouped_matmul"
+_INT = (torch.int32, torch.int64)
+
+
+def grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """Rows of ``x`` grouped by expert, in order, each group times its expert's weight: ``y[rows of group e] =
+    x[rows] @ weight[e]ᵀ``.
+
+    x: [T, K]; weight: [E, N, K] (each expert an ``nn.Linear`` weight, [out, in]); group_sizes: [E] int32/int64 on
+    x's device, group e being the next group_sizes[e] rows (zero-size groups allowed) -> [T, N] in x's dtype
+    (float32 accumulation). No host sync: the sizes are read on the device, so they are not checked against T
+    there. A negative size counts as 0, groups reaching past row T are cut at T, and rows past the sizes' sum get
+    zeros (their gradients too). Differentiable in x and weight.
+    """
+    return _CALLS(x, weight, group_sizes)
+
+
+def _check(x: Any, weight: Any, group_sizes: Any) -> None:
+    check_tensor(OP, "x", x, (2,))
+    check_tensor(OP, "weight", weight, (3,))
+    check_same(OP, ("x", "weight"), x, weight, shape=False)
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"hkernels.grouped_matmul: weight [E, N, K] = {list(weight.shape)} does not fit x [T, K] = "
+                         f"{list(x.shape)}: its last dim must be K = {x.shape[1]}")
+    if not isinstance(group_sizes, torch.Tensor) or group_sizes.dtype not in _INT or group_sizes.dim() != 1:
+        got = (f"{group_sizes.dtype} of shape {list(group_sizes.shape)}" if isinstance(group_sizes, torch.Tensor)
+               else type(group_sizes).__name__)
+        raise TypeError(f"hkernels.grouped_matmul: group_sizes must be a 1-d int32 or int64 tensor, got {got}")
+    if group_sizes.shape[0] != weight.shape[0]:
+        raise ValueError(f"hkernels.grouped_matmul: group_sizes has {group_sizes.shape[0]} entries for "
+                         f"{weight.shape[0]} experts (weight's first dim)")
+    if group_sizes.device != x.device:
+        raise ValueError(f"hkernels.grouped_matmul: group_sizes is on {group_sizes.device} but x is on {x.device}")
+
+
+def _body(request: str, x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    return call(_fwd, x, weight, group_sizes, request)
+
+
+# ------------------------------------------------------------------------------------------------------ autograd
+
+
+def _unit_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("hkernels::grouped_matmul_fwd", mutates_args=())
+def _fwd(x: Tensor, weight: Tensor, group_sizes: Tensor, backend: str) -> Tensor:
+    if x.numel() == 0 or weight.numel() == 0:  # nothing for a kernel to do (K = 0: zeros)
+        backend = "torch"
+    return dispatch.run(OP, "grouped_matmul_fwd", backend, _unit_rows(x), weight, group_sizes)
+
+
+@_fwd.register_fake
+def _(x: Tensor, weight: Tensor, group_sizes: Tensor, backend: str) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("hkernels::grouped_matmul_bwd", mutates_args=())
+def _bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tensor, need_x: bool, need_weight: bool,
+         backend: str) -> tuple[Tensor, Tensor]:
+    if x.numel() == 0 or weight.numel() == 0:
+        backend = "torch"
+    dx, dw = dispatch.run(OP, "grouped_matmul_bwd", backend, _unit_rows(dy), _unit_rows(x), weight, group_sizes,
+                          need_x, need_weight)
+    return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_bwd.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tensor, need_x: bool, need_weight: bool,
+      backend: str) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    x, weight, group_sizes, backend = inputs
+    ctx.save_for_backward(x, weight, group_sizes)
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dy: Tensor | None) -> tuple[Tensor | None, ...]:
+    # dx[rows_e] = dy[rows_e] @ weight[e];  dweight[e] = dy[rows_e]ᵀ @ x[rows_e]
+    if dy is None:
+        return (None,) * 4
+    x, weight, group_sizes = ctx.saved_tensors
+    need_x, need_weight = ctx.needs_input_grad[:2]
+    dx, dw = call(_bwd, dy, x, weight, group_sizes, need_x, need_weight, ctx.backend)
+    return (dx if need_x else None), (dw if need_weight else None), None, None
+
+
+autograd(_fwd, _backward, _setup)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def _groups(group_sizes: Tensor, rows: int) -> list[tuple[int, int]]:
+    """(start, end) rows of each group, the sizes clamped as the kernels read them (one host sync)."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=rows).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def reference(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """y[rows of group e] = x[rows] @ weight[e]ᵀ, zeros past the groups; float32 accumulation for 16-bit inputs."""
+    ct = compute_dtype(x.dtype)
+    y = x.new_zeros((x.shape[0], weight.shape[1]), dtype=ct)
+    for e, (start, end) in enumerate(_groups(group_sizes, x.shape[0])):
+        if end > start:
+            y[start:end] = x[start:end].to(ct) @ weight[e].to(ct).T
+    return y.to(x.dtype)
+
+
+def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    return reference(x, weight, group_sizes)
+
+
+def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tensor, need_x: bool, need_weight: bool
+                       ) -> tuple[Tensor | None, Tensor | None]:
+    """(dx [T, K] or None, dweight [E, N, K] or None), written out (a custom op's implementation runs without
+    autograd)."""
+    ct = compute_dtype(x.dtype)
+    dx = torch.zeros(x.shape, dtype=ct, device=x.device) if need_x else None
+    dw = torch.zeros(weight.shape, dtype=ct, device=x.device) if need_weight else None
+    for e, (start, end) in enumerate(_groups(group_sizes, x.shape[0])):
+        if end > start:
+            g = dy[start:end].to(ct)
+            if dx is not None:
+                dx[start:end] = g @ weight[e].to(ct)
+            if dw is not None:
+                dw[e] = g.T @ x[start:end].to(ct)
+    return (dx.to(x.dtype) if dx is not None else None), (dw.to(weight.dtype) if dw is not None else None)
+
+
+_CALLS = Public(OP, _check, _body)

@@ -1,0 +1,218 @@
+"""The experts of a SwiGLU mixture-of-experts layer in Helion: the twin of ``triton_fallback/moe.py``, whose
+docstring gives the math, the sorted layout and what the backward keeps.
+
+A program takes one expert and one column tile and walks that expert's sorted rows (bounds loaded on the
+device, no host sync), as ``hkernels/ops/grouped_matmul.py`` does: the up projection gathers x's rows by token and
+writes silu(g)·u (and g, u for the backward); the down projection is the grouped matmul; the combine sums each
+token's k rows. Rows of out-of-range ids (past the last group) are never read.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import torch.nn.functional as F
+
+from hkernels.ops import _helion
+from hkernels.ops.grouped_matmul import _grouped_matmul_fwd
+from triton_fallback._routing import routing
+
+Tensor = torch.Tensor
+
+
+@helion.kernel(static_shapes=False, dot_precision="ieee")
+def _moe_up(x: Tensor, w: Tensor, src: Tensor, starts: Tensor, ends: Tensor, pre: Tensor, h: Tensor,
+            save: hl.constexpr) -> None:
+    # x [T, H]; w [E, 2I, H] gate_up; src [T·k] int32 tokens of the sorted rows; starts, ends [E] int32; pre
+    # [T·k, 2I] out where save; h [T·k, I] out. A program: expert e, a column tile of I; reads the group's
+    # gathered x rows and the tile's gate and up rows of w[e].
+    hidden = x.size(1)
+    groups = w.size(0)
+    inter = h.size(1)
+    for tile_e, tile_n in hl.tile([groups, inter], block_size=[1, None]):
+        e = tile_e.begin
+        start = starts[e]
+        for tile_m in hl.tile(ends[e] - start):
+            rows = start + tile_m.index
+            tokens = src[rows]
+            acc_g = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+            acc_u = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+            for tile_k in hl.tile(hidden):
+                a = x[tokens, tile_k]
+                acc_g = torch.addmm(acc_g, a, w[e, tile_n, tile_k].T)
+                acc_u = torch.addmm(acc_u, a, w[e, tile_n.index + inter, tile_k].T)
+            h[rows, tile_n] = (acc_g * torch.sigmoid(acc_g) * acc_u).to(h.dtype)
+            if save:
+                pre[rows, tile_n] = acc_g.to(pre.dtype)
+                pre[rows, tile_n.index + inter] = acc_u.to(pre.dtype)
+
+
+@helion.kernel(static_shapes=False, dot_precision="ieee")
+def _moe_down_bwd(dout: Tensor, w: Tensor, src: Tensor, order: Tensor, tw: Tensor, pre: Tensor, starts: Tensor,
+                  ends: Tensor, dpre: Tensor, hw: Tensor, dsw: Tensor) -> None:
+    # dout [T, H]; w [E, H, I] down; src, order [T·k] int32; tw [T·k] routing weights, flat; pre [T·k, 2I];
+    # starts, ends [E]; dpre [T·k, 2I], hw [T·k, I] out; dsw [T·k] float32, zeroed, accumulated over I tiles.
+    # A program: expert e, a column tile of I; reads the group's gathered dout rows and w[e][:, tile].
+    hidden = dout.size(1)
+    groups = w.size(0)
+    inter = hw.size(1)
+    for tile_e, tile_n in hl.tile([groups, inter], block_size=[1, None]):
+        e = tile_e.begin
+        start = starts[e]
+        for tile_m in hl.tile(ends[e] - start):
+            rows = start + tile_m.index
+            tokens = src[rows]
+            acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+            for tile_k in hl.tile(hidden):
+                acc = torch.addmm(acc, dout[tokens, tile_k], w[e, tile_k, tile_n])
+            g = pre[rows, tile_n].to(torch.float32)
+            u = pre[rows, tile_n.index + inter].to(torch.float32)
+            wt = tw[order[rows]].to(torch.float32)
+            sig = torch.sigmoid(g)
+            silu = g * sig
+            hh = silu * u
+            hl.atomic_add(dsw, [rows], torch.sum(acc * hh, dim=1))
+            dh = acc * wt[:, None]
+            dpre[rows, tile_n] = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dpre.dtype)
+            dpre[rows, tile_n.index + inter] = (dh * silu).to(dpre.dtype)
+            hw[rows, tile_n] = (hh * wt[:, None]).to(hw.dtype)
+
+
+@helion.kernel(static_shapes=False, dot_precision="ieee")
+def _moe_dweight(dy: Tensor, dy_rows: Tensor, x: Tensor, x_rows: Tensor, starts: Tensor, ends: Tensor,
+                 dw: Tensor) -> None:
+    # dw[e] = dy[dy_rows[rows_e]]ᵀ @ x[x_rows[rows_e]], [E, N, K] (zeros for an empty group). A program: one
+    # expert's N × K tile; reads the group's gathered rows of dy and x once.
+    groups, n, k = dw.size()
+    for tile_g, tile_n, tile_k in hl.tile([groups, n, k], block_size=[1, None, None]):
+        g = tile_g.begin
+        start = starts[g]
+        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
+        for tile_m in hl.tile(ends[g] - start):
+            rows = start + tile_m.index
+            acc = torch.addmm(acc, dy[dy_rows[rows], tile_n].T, x[x_rows[rows], tile_k])
+        dw[g, tile_n, tile_k] = acc.to(dw.dtype)
+
+
+@helion.kernel(static_shapes=False)
+def _moe_combine(y: Tensor, pos: Tensor, ids: Tensor, tw: Tensor, out: Tensor, weighted: hl.constexpr) -> None:
+    # out[t] = Σ_j (tw[t, j] ·) y[pos[t, j]] in float32 over the slots with an id in [0, E); y [T·k, H], pos, ids,
+    # tw [T, k]. Reads k rows of y per token, writes one.
+    tokens, hidden = out.size()
+    slots = pos.size(1)
+    for tile_t, tile_h in hl.tile([tokens, hidden]):
+        acc = hl.zeros([tile_t, tile_h], dtype=torch.float32)
+        for j in hl.grid(slots):
+            rows = pos[tile_t, j]
+            v = y[rows, tile_h].to(torch.float32)
+            if weighted:
+                v = v * tw[tile_t, j].to(torch.float32)[:, None]
+            acc = acc + torch.where((ids[tile_t, j] >= 0)[:, None], v, 0.0)
+        out[tile_t, tile_h] = acc.to(out.dtype)
+
+
+def _groups(ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(starts, ends, tails) [E] int32 from the routing's ends [E + 1]: each expert's sorted rows, and the rows
+    past the last group in the last entry (0 in the others)."""
+    starts = torch.cat([ends.new_zeros(1), ends[:-2]])
+    tails = torch.zeros_like(starts)
+    tails[-1:] = ends[-1:] - ends[-2:-1]
+    return starts, ends[:-1], tails
+
+
+def _combine(y: Tensor, pos: Tensor, ids: Tensor, tw: Tensor | None, T: int) -> Tensor:
+    out = torch.empty((T, y.shape[1]), dtype=y.dtype, device=y.device)
+    if out.numel():
+        _helion.run(_moe_combine, (y, pos.view(T, -1), ids, tw if tw is not None else ids, out, tw is not None),
+                    y.shape[1], y.device)
+    return out
+
+
+def _widen(x: Tensor, gate_up: Tensor, down: Tensor, pre: Tensor | None = None
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """H or I of 1 padded to 2 with zeros (exact: the padding adds zero terms, silu(0)·0 = 0): Helion 1.5.0 drops
+    the mask of a multi-element tile over a size-1 dim."""
+    H, I = x.shape[1], down.shape[2]  # noqa: E741
+    if H == 1:
+        x, gate_up, down = F.pad(x, (0, 1)), F.pad(gate_up, (0, 1)), F.pad(down, (0, 0, 0, 1))
+    if I == 1:  # gate_up rows (g, 0, u, 0), pre columns likewise
+        gate_up = F.pad(gate_up.unflatten(1, (2, 1)), (0, 0, 0, 1)).flatten(1, 2)
+        down = F.pad(down, (0, 1))
+        if pre is not None and pre.numel():
+            pre = F.pad(pre.unflatten(1, (2, 1)), (0, 1)).flatten(1, 2)
+    return x, gate_up, down, pre
+
+
+def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor, save: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [T, H] (unit stride along H), gate_up [E, 2I, H], down [E, H, I], topk_ids [T, k] integer, topk_weights
+    [T, k] -> (out [T, H], pre [T·k, 2I] (empty unless save), src, order, pos, ends)."""
+    T, H = x.shape
+    E, I2, _ = gate_up.shape
+    if H == 1 or I2 == 2:
+        out, pre, *routed = moe_fwd(*_widen(x, gate_up, down)[:3], topk_ids, topk_weights, save)
+        if I2 == 2 and pre.numel():
+            pre = pre[:, ::2].contiguous()
+        return out[:, :H].contiguous(), pre, *routed
+    src, order, pos, ends = routing(topk_ids, E)
+    rows = src.numel()
+    starts, group_ends, tails = _groups(ends)
+    h = torch.empty((rows, I2 // 2), dtype=x.dtype, device=x.device)
+    pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
+    _helion.run(_moe_up, (x, gate_up, src, starts, group_ends, pre if save else h, h, save), I2 // 2, x.device)
+    y = torch.empty((rows, H), dtype=x.dtype, device=x.device)
+    _helion.run(_grouped_matmul_fwd, (h, down, starts, group_ends, tails, y), H, x.device)
+    ids = _valid_ids(topk_ids, E)
+    return _combine(y, pos, ids, topk_weights, T), pre, src, order, pos, ends
+
+
+def _valid_ids(topk_ids: Tensor, experts: int) -> Tensor:
+    """topk_ids with the ids outside [0, E) as −1 (what the combine skips)."""
+    return torch.where(topk_ids < experts, topk_ids, -1)
+
+
+def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+            pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor, need_x: bool = True,
+            need_weights: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """dout [T, H] (unit stride along H) and what :func:`moe_fwd` kept -> (dx [T, H], dgate_up [E, 2I, H], ddown
+    [E, H, I], each None where not needed, and dtopk_weights [T, k] in topk_weights' dtype)."""
+    T, H = x.shape
+    E, I2, _ = gate_up.shape
+    if H == 1 or I2 == 2:
+        xw, gw, dw, pw = _widen(x, gate_up, down, pre)
+        dx, dgate_up, ddown, dtw = moe_bwd(F.pad(dout, (0, xw.shape[1] - H)), xw, gw, dw, topk_ids, topk_weights, pw,
+                                           src, order, pos, ends, need_x, need_weights)
+        keep = slice(None, None, 2) if I2 == 2 else slice(None)
+        return (dx[:, :H].contiguous() if dx is not None else None,
+                dgate_up[:, keep, :H].contiguous() if dgate_up is not None else None,
+                ddown[:, :H, :I2 // 2].contiguous() if ddown is not None else None, dtw)
+    rows = src.numel()
+    starts, group_ends, tails = _groups(ends)
+    # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
+    tw = topk_weights.reshape(-1)
+    if rows == 1:
+        src, order, tw, pre = (torch.cat([t, t]) for t in (src, order, tw, pre))
+    padded = max(rows, 2)
+    dpre = torch.empty((padded, I2), dtype=x.dtype, device=x.device)
+    hw = torch.empty((padded, I2 // 2), dtype=x.dtype, device=x.device)
+    dsw = torch.zeros(padded, dtype=torch.float32, device=x.device)
+    _helion.run(_moe_down_bwd, (dout, down, src, order, tw, pre, starts, group_ends, dpre, hw, dsw), I2 // 2, x.device)
+    # The Triton twin's order: each buffer freed once read for the last time.
+    dx = dgate_up = ddown = None
+    if need_x:
+        dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
+        _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H,
+                    x.device)
+        dx = _combine(dx_rows, pos, _valid_ids(topk_ids, E), None, T)
+        del dx_rows
+    if need_weights:
+        identity = torch.arange(padded, dtype=torch.int32, device=x.device)
+        dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
+        del dpre
+        ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
+        _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
+    del hw
+    dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
+    return dx, dgate_up, ddown, dtw

@@ -1,0 +1,33 @@
+"""Routing of a mixture of experts' (token, slot) pairs, on the device and without a host sync: shared by the
+moe op's backends (plain torch, so it also runs where Triton does not)."""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def routing(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(src, order, pos, ends) for topk_ids [T, k]: the T·k (token, slot) pairs sorted by expert, stably, ids
+    outside [0, E) last (in no group). src [T·k] int32: each sorted row's token; order [T·k] int32: its flat slot
+    t·k + j; pos [T·k] int32: the sorted row of each flat slot; ends [E + 1] int32: each expert's end row, then
+    T·k (the rows past ends[E − 1] are the out-of-range slots)."""
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)
+    key = torch.where((ids >= 0) & (ids < experts), ids, experts).to(torch.int32)
+    sorted_key, order = torch.sort(key, stable=True)
+    ends = torch.searchsorted(sorted_key, torch.arange(1, experts + 2, device=ids.device, dtype=torch.int32))
+    ends = ends.to(torch.int32)
+    ends[-1:] = ids.numel()
+    order32 = order.to(torch.int32)
+    pos = torch.empty_like(order32)
+    pos[order] = torch.arange(order.numel(), device=ids.device, dtype=torch.int32)
+    return torch.div(order32, k, rounding_mode="floor"), order32, pos, ends
+
+
+def tile_ends(ends: Tensor, block_m: int) -> Tensor:
+    """[E + 1] int32: the cumsum of each group's row tiles of block_m (the tail past the last group included),
+    the schedule the grouped kernels walk (see triton_fallback/grouped_matmul.py)."""
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.cumsum((sizes + block_m - 1) // block_m, 0, dtype=torch.int32)

@@ -1,0 +1,238 @@
+"""Grouped matmul (the experts of a mixture of experts) in hand-written Triton: the twin of
+``hkernels/ops/grouped_matmul.py``.
+
+Math: x [T, K] holds E groups of rows in order, group e being rows starts[e] .. ends[e] (ends = cumsum of
+group_sizes, clamped to [0, T]); weight [E, N, K] (each expert an nn.Linear weight). Then
+    forward   y[rows_e] = x[rows_e] @ weight[e]ᵀ     [T, N]; rows past ends[E−1] get zeros
+    backward  dx[rows_e] = dy[rows_e] @ weight[e]    (the forward's kernel, weight read as [E, K, N])
+              dweight[e] = dy[rows_e]ᵀ @ x[rows_e]   [E, N, K]; zeros for an empty group
+
+No host sync: the tile schedule is built on the device (a cumsum of the groups' tile counts) and the launch
+covers its upper bound, cdiv(T, BLOCK_M) + E row tiles; a persistent grid walks the tiles that exist and finds
+each tile's group by a binary search over the schedule.
+
+Work and traffic: 2·T·N·K flops forward (2× that backward). The forward reads each x row once per column tile and
+each expert's weight once per row tile of that expert; the dweight kernel reads the group's rows of dy and x once
+per (N, K) tile of that expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_fallback._common import cdiv, interpreting, num_sms
+from triton_fallback._launch import launch
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _group_of(tile, tile_ends, n, STEPS: tl.constexpr):
+    # The first g in [0, n) with tile_ends[g] > tile (binary search over the schedule; STEPS = n.bit_length()).
+    lo = 0
+    hi = n
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        past = tl.load(tile_ends + tl.minimum(mid, n - 1)) <= tile
+        lo = tl.where(active & past, mid + 1, lo)
+        hi = tl.where(active & (not past), mid, hi)
+    return lo
+
+
+@triton.jit
+def _pair_tile(pair, ends_ptr, tile_ends_ptr, n_tiles, m_tiles, E,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, STEPS: tl.constexpr):
+    # (group e, the tile's rows, which rows are in the group, first column) of the pair-th (row tile, column
+    # tile) pair. Pairs run in bands of GROUP_M row tiles, row tile fastest inside a band, so the programs running
+    # at once share a band's rows of the A operand and a few column tiles of weight in L2 (an expert's weight is
+    # read once per band, not once per row tile).
+    band = pair // (GROUP_M * n_tiles)
+    band_rows = tl.minimum(m_tiles - band * GROUP_M, GROUP_M)
+    in_band = pair % (GROUP_M * n_tiles)
+    tile = band * GROUP_M + in_band % band_rows
+    n0 = (in_band // band_rows) * BLOCK_N
+    e = _group_of(tile, tile_ends_ptr, E + 1, STEPS)
+    first_tile = tl.where(e > 0, tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0), 0)
+    start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
+    end = tl.load(ends_ptr + e)
+    rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, rows, rows < end, n0
+
+
+@triton.jit
+def _grouped_matmul_fwd_kernel(
+    x_ptr,  # [T, K], unit stride along K
+    w_ptr,  # [E, N, K] by strides (any: the backward reads weight as [E, K, N])
+    y_ptr,  # [T, N] out, contiguous
+    ends_ptr,  # [E + 1] int32: ends[e] of group e, and T (the zero tail: group E, no weight)
+    tile_ends_ptr,  # [E + 1] int32: cumsum of the groups' row tiles (the tail's included)
+    T, N, K, E,
+    stride_x, stride_we, stride_wn, stride_wk, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STEPS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # A persistent program walks (row tile, column tile) pairs (_pair_tile's order). Per pair: reads BLOCK_M rows
+    # of x and BLOCK_N rows of weight[e] over K, writes BLOCK_M × BLOCK_N of y.
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles = tl.load(tile_ends_ptr + E)
+    for pair in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0)):
+        e, rows, row_ok, n0 = _pair_tile(pair, ends_ptr, tile_ends_ptr, n_tiles, m_tiles, E,
+                                         BLOCK_M, BLOCK_N, GROUP_M, STEPS)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if e < E:  # the tail (rows past the last group) stays zero
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+            w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+                b = tl.load(w_rows + ks[None, :].to(tl.int64) * stride_wk,
+                            mask=(cols < N)[:, None] & (ks < K)[None, :], other=0.0)
+                if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        y = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _grouped_matmul_dweight_kernel(
+    dy_ptr,  # [*, N], unit stride along N: row r of the group is dy row dy_rows[r] (or r)
+    x_ptr,  # [*, K], unit stride along K: row r is x row x_rows[r] (or r)
+    dy_rows_ptr, x_rows_ptr,  # [T] int32 gathers (read where DY_GATHER / X_GATHER)
+    dw_ptr,  # [E, N, K] out, contiguous
+    ends_ptr,  # [E + 1] int32 (see the forward)
+    N, K,
+    stride_dy, stride_x,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DY_GATHER: tl.constexpr, X_GATHER: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One program: expert e, a BLOCK_N × BLOCK_K tile of dweight[e]; reads the group's rows of dy and x once
+    # (BLOCK_M at a time), writes the tile once (zeros for an empty group).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    e = pid // (n_tiles * k_tiles)
+    n0 = (pid // k_tiles % n_tiles) * BLOCK_N
+    k0 = (pid % k_tiles) * BLOCK_K
+    start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
+    end = tl.load(ends_ptr + e)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        dy_rows = rows
+        if DY_GATHER:
+            dy_rows = tl.load(dy_rows_ptr + rows, mask=row_ok, other=0)
+        x_rows = rows
+        if X_GATHER:
+            x_rows = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
+        g = tl.load(dy_ptr + dy_rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
+                    mask=row_ok[:, None] & (cols < N)[None, :], other=0.0)
+        a = tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        if UPCAST:
+            g = g.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
+    dw = dw_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (ks < K)[None, :])
+
+
+# Launch settings per kernel kind for 16-bit inputs on a GPU: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
+# BLOCK_M is the schedule's row tile, the same for every kind (one schedule serves a call's kernels). From a sweep
+# at Mixtral's and Qwen3-MoE's shapes (bench/results/h200): "fwd" the grouped product, "dweight" the weight
+# gradient (BLOCK_M is then its reduction step: rows read per iteration), "pair" the moe kernels with two
+# accumulators (gate and up) or an epilogue that reads two more tiles.
+_GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 128, 8, 8, 3), "pair": (128, 128, 64, 8, 8, 3)}
+
+
+def _settings(dtype: torch.dtype, kind: str = "fwd") -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) of ``kind`` (see _GPU). Interpreter: small tiles
+    (two-tile bands, so a band crossing a group boundary is tested); float32 (no tensor cores): small tiles too."""
+    if interpreting():
+        return 16, 32, 32, 2, 4, 1
+    if dtype == torch.float32:
+        return 32, 32, 32, 8, 4, 2
+    return _GPU[kind]
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return interpreting() and dtype == torch.bfloat16
+
+
+def schedule(group_sizes: Tensor, T: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(ends [E + 1], tile_ends [E + 1]) int32 on the device, no sync: each group's end row (sizes clamped at 0,
+    ends at T) with T appended (the zero tail past the last group), and the cumsum of each group's row tiles."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=T)
+    ends = torch.cat([ends, ends.new_full((1,), T)]).to(torch.int32)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_ends = torch.cumsum((sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
+    return ends, tile_ends
+
+
+def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tensor) -> Tensor:
+    """y[rows of group e] = x[rows] @ weight[e]ᵀ on a schedule from :func:`schedule` (built with _settings'
+    BLOCK_M for x's dtype); y [T, N] contiguous."""
+    T, K = x.shape
+    E, N, _ = weight.shape
+    bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
+    programs = (cdiv(T, bm) + E + 1) * cdiv(N, bn)  # the most (row tile, column tile) pairs there can be
+    if not interpreting():
+        programs = min(programs, 2 * num_sms(x.device))
+    launch(_grouped_matmul_fwd_kernel, (programs,),
+        x, weight, y, ends, tile_ends, T, N, K, E,
+        x.stride(0), *weight.stride(), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STEPS=(E + 1).bit_length(), UPCAST=_upcast(x.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def dweight_into(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tensor | None = None,
+                 x_rows: Tensor | None = None) -> Tensor:
+    """dw[e] = dy[rows of e]ᵀ @ x[rows of e] (float32 accumulation), where row r of a group reads dy row
+    dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K] contiguous."""
+    E, N, K = dw.shape
+    bm, bn, bk, _, warps, stages = _settings(x.dtype, "dweight")
+    if dw.numel():
+        launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
+            dy, x, dy_rows if dy_rows is not None else ends, x_rows if x_rows is not None else ends, dw, ends,
+            N, K, dy.stride(0), x.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DY_GATHER=dy_rows is not None, X_GATHER=x_rows is not None,
+            UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+        )
+    return dw
+
+
+def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    """x [T, K] (unit stride along K), weight [E, N, K] (any strides), group_sizes [E] integer on x's device ->
+    y [T, N] contiguous in x's dtype; rows past the groups' sum are zeros."""
+    T = x.shape[0]
+    y = torch.empty((T, weight.shape[1]), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    ends, tile_ends = schedule(group_sizes, T, _settings(x.dtype)[0])
+    return fwd_into(x, weight, y, ends, tile_ends)
+
+
+def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tensor, need_x: bool, need_weight: bool
+                       ) -> tuple[Tensor | None, Tensor | None]:
+    """dy [T, N], x [T, K], weight [E, N, K] -> (dx [T, K] or None, dweight [E, N, K] float32-accumulated in
+    weight's dtype, or None)."""
+    T = x.shape[0]
+    ends, tile_ends = schedule(group_sizes, T, _settings(x.dtype)[0])
+    dx = None
+    if need_x:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if dx.numel():
+            fwd_into(dy, weight.transpose(1, 2), dx, ends, tile_ends)
+    dw = dweight_into(dy, x, torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), ends) \
+        if need_weight else None
+    return dx, dw
