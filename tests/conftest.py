@@ -18,6 +18,9 @@ if not ON_GPU:
 os.environ.pop("HKERNELS_BACKEND", None)  # a developer's setting must not leak into the suite
 # Nor the developer's tuned tables: the suite sees the shipped ones, plus what a test writes here.
 os.environ["HKERNELS_CACHE_DIR"] = tempfile.mkdtemp(prefix="hkernels-tests-cache-")
+# And a TorchInductor cache of its own: graphs compiled by an older tree, cached on disk under the same key, would
+# call the custom ops with the argument lists they had then.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hkernels-tests-inductor-")
 
 import hkernels  # noqa: E402
 from hkernels import dispatch  # noqa: E402
