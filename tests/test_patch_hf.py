@@ -217,8 +217,10 @@ def test_hf_moe_experts_run_on_hkernels_and_match(family, device, monkeypatch):
     want.backward()
     before = model.config._experts_implementation
     calls = []
-    real = hkernels.patch.__globals__["_moe"].moe
-    monkeypatch.setattr(hkernels.patch.__globals__["_moe"], "moe", lambda *a: calls.append(1) or real(*a))
+    from hkernels.functional import moe as moe_module
+
+    real = moe_module.moe
+    monkeypatch.setattr(moe_module, "moe", lambda *a: calls.append(1) or real(*a))
     done = hkernels.patch(model, ops=["moe"])
     try:
         assert [r.op for r in done] == ["moe"] and model.config._experts_implementation == "hkernels"

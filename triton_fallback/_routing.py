@@ -26,6 +26,22 @@ def routing(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Ten
     return torch.div(order32, k, rounding_mode="floor"), order32, pos, ends
 
 
+def group_ends(group_sizes: Tensor, rows: int) -> Tensor:
+    """[E + 1] int32: each group's end row (sizes clamped at 0, ends at ``rows``), then ``rows`` (the tail past the
+    last group)."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=rows)
+    return torch.cat([ends, ends.new_full((1,), rows)]).to(torch.int32)
+
+
+def bounds(ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(starts, ends, tails) [E] int32 from ends [E + 1] (:func:`group_ends`, :func:`routing`): each group's rows,
+    and the rows past the last group in the last entry (0 in the others): what the Helion kernels walk."""
+    starts = torch.cat([ends.new_zeros(1), ends[:-2]])
+    tails = torch.zeros_like(starts)
+    tails[-1:] = ends[-1:] - ends[-2:-1]
+    return starts, ends[:-1], tails
+
+
 def tile_ends(ends: Tensor, block_m: int) -> Tensor:
     """[E + 1] int32: the cumsum of each group's row tiles of block_m (the tail past the last group included),
     the schedule the grouped kernels walk (see triton_fallback/grouped_matmul.py)."""

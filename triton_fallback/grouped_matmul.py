@@ -24,6 +24,7 @@ import triton.language as tl
 
 from triton_fallback._common import cdiv, interpreting, num_sms
 from triton_fallback._launch import launch
+from triton_fallback._routing import group_ends, tile_ends
 
 Tensor = torch.Tensor
 
@@ -170,11 +171,8 @@ def _upcast(dtype: torch.dtype) -> bool:
 def schedule(group_sizes: Tensor, T: int, block_m: int) -> tuple[Tensor, Tensor]:
     """(ends [E + 1], tile_ends [E + 1]) int32 on the device, no sync: each group's end row (sizes clamped at 0,
     ends at T) with T appended (the zero tail past the last group), and the cumsum of each group's row tiles."""
-    ends = torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=T)
-    ends = torch.cat([ends, ends.new_full((1,), T)]).to(torch.int32)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    tile_ends = torch.cumsum((sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
-    return ends, tile_ends
+    ends = group_ends(group_sizes, T)
+    return ends, tile_ends(ends, block_m)
 
 
 def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tensor) -> Tensor:

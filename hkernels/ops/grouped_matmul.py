@@ -13,7 +13,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback.grouped_matmul import schedule
+from triton_fallback._routing import bounds, group_ends
 
 Tensor = torch.Tensor
 
@@ -57,13 +57,8 @@ def _grouped_matmul_dweight(dy: Tensor, x: Tensor, starts: Tensor, ends: Tensor,
 
 
 def _groups(group_sizes: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(starts, ends, tails) [E] int32 on the device: each group's rows, and the rows past the last group (in the
-    last entry; 0 in the others)."""
-    ends, _ = schedule(group_sizes, T, 1)  # [E + 1]: the groups' ends, then T
-    starts = torch.cat([ends.new_zeros(1), ends[:-2]])
-    tails = torch.zeros_like(starts)
-    tails[-1:] = ends[-1:] - ends[-2:-1]
-    return starts, ends[:-1], tails
+    """(starts, ends, tails) [E] int32 on the device (triton_fallback/_routing.py's bounds)."""
+    return bounds(group_ends(group_sizes, T))
 
 
 def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hkernels.ops import _helion
 from hkernels.ops.grouped_matmul import _grouped_matmul_fwd
-from triton_fallback._routing import routing
+from triton_fallback._routing import bounds, routing
 
 Tensor = torch.Tensor
 
@@ -96,36 +96,30 @@ def _moe_dweight(dy: Tensor, dy_rows: Tensor, x: Tensor, x_rows: Tensor, starts:
 
 
 @helion.kernel(static_shapes=False)
-def _moe_combine(y: Tensor, pos: Tensor, ids: Tensor, tw: Tensor, out: Tensor, weighted: hl.constexpr) -> None:
-    # out[t] = Σ_j (tw[t, j] ·) y[pos[t, j]] in float32 over the slots with an id in [0, E); y [T·k, H], pos, ids,
-    # tw [T, k]. Reads k rows of y per token, writes one.
+def _moe_combine(y: Tensor, pos: Tensor, ends: Tensor, tw: Tensor, out: Tensor, weighted: hl.constexpr) -> None:
+    # out[t] = Σ_j (tw[t, j] ·) y[pos[t, j]] in float32 over the slots with an id in [0, E): those sorted before
+    # the last group's end; y [T·k, H], pos, tw [T, k], ends [E] the groups' ends. Reads k rows of y per token,
+    # writes one.
     tokens, hidden = out.size()
     slots = pos.size(1)
+    groups = ends.size(0)
     for tile_t, tile_h in hl.tile([tokens, hidden]):
+        routed = ends[groups - 1]
         acc = hl.zeros([tile_t, tile_h], dtype=torch.float32)
         for j in hl.grid(slots):
             rows = pos[tile_t, j]
             v = y[rows, tile_h].to(torch.float32)
             if weighted:
                 v = v * tw[tile_t, j].to(torch.float32)[:, None]
-            acc = acc + torch.where((ids[tile_t, j] >= 0)[:, None], v, 0.0)
+            acc = acc + torch.where((rows < routed)[:, None], v, 0.0)
         out[tile_t, tile_h] = acc.to(out.dtype)
 
 
-def _groups(ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(starts, ends, tails) [E] int32 from the routing's ends [E + 1]: each expert's sorted rows, and the rows
-    past the last group in the last entry (0 in the others)."""
-    starts = torch.cat([ends.new_zeros(1), ends[:-2]])
-    tails = torch.zeros_like(starts)
-    tails[-1:] = ends[-1:] - ends[-2:-1]
-    return starts, ends[:-1], tails
-
-
-def _combine(y: Tensor, pos: Tensor, ids: Tensor, tw: Tensor | None, T: int) -> Tensor:
+def _combine(y: Tensor, pos: Tensor, group_ends: Tensor, tw: Tensor | None, T: int) -> Tensor:
     out = torch.empty((T, y.shape[1]), dtype=y.dtype, device=y.device)
     if out.numel():
-        _helion.run(_moe_combine, (y, pos.view(T, -1), ids, tw if tw is not None else ids, out, tw is not None),
-                    y.shape[1], y.device)
+        _helion.run(_moe_combine, (y, pos.view(T, -1), group_ends, tw if tw is not None else pos, out,
+                                   tw is not None), y.shape[1], y.device)
     return out
 
 
@@ -157,19 +151,13 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
         return out[:, :H].contiguous(), pre, *routed
     src, order, pos, ends = routing(topk_ids, E)
     rows = src.numel()
-    starts, group_ends, tails = _groups(ends)
+    starts, group_ends, tails = bounds(ends)
     h = torch.empty((rows, I2 // 2), dtype=x.dtype, device=x.device)
     pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
     _helion.run(_moe_up, (x, gate_up, src, starts, group_ends, pre if save else h, h, save), I2 // 2, x.device)
     y = torch.empty((rows, H), dtype=x.dtype, device=x.device)
     _helion.run(_grouped_matmul_fwd, (h, down, starts, group_ends, tails, y), H, x.device)
-    ids = _valid_ids(topk_ids, E)
-    return _combine(y, pos, ids, topk_weights, T), pre, src, order, pos, ends
-
-
-def _valid_ids(topk_ids: Tensor, experts: int) -> Tensor:
-    """topk_ids with the ids outside [0, E) as −1 (what the combine skips)."""
-    return torch.where(topk_ids < experts, topk_ids, -1)
+    return _combine(y, pos, group_ends, topk_weights, T), pre, src, order, pos, ends
 
 
 def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
@@ -178,7 +166,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     """dout [T, H] (unit stride along H) and what :func:`moe_fwd` kept -> (dx [T, H], dgate_up [E, 2I, H], ddown
     [E, H, I], each None where not needed, and dtopk_weights [T, k] in topk_weights' dtype)."""
     T, H = x.shape
-    E, I2, _ = gate_up.shape
+    I2 = gate_up.shape[1]
     if H == 1 or I2 == 2:
         xw, gw, dw, pw = _widen(x, gate_up, down, pre)
         dx, dgate_up, ddown, dtw = moe_bwd(F.pad(dout, (0, xw.shape[1] - H)), xw, gw, dw, topk_ids, topk_weights, pw,
@@ -188,7 +176,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
                 dgate_up[:, keep, :H].contiguous() if dgate_up is not None else None,
                 ddown[:, :H, :I2 // 2].contiguous() if ddown is not None else None, dtw)
     rows = src.numel()
-    starts, group_ends, tails = _groups(ends)
+    starts, group_ends, tails = bounds(ends)
     # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
     tw = topk_weights.reshape(-1)
     if rows == 1:
@@ -204,7 +192,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
         dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
         _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H,
                     x.device)
-        dx = _combine(dx_rows, pos, _valid_ids(topk_ids, E), None, T)
+        dx = _combine(dx_rows, pos, group_ends, None, T)
         del dx_rows
     if need_weights:
         identity = torch.arange(padded, dtype=torch.int32, device=x.device)
