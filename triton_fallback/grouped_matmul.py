@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_fallback._common import cdiv, interpreting, num_sms
 from triton_fallback._launch import launch
@@ -101,6 +102,46 @@ def _grouped_matmul_fwd_kernel(
 
 
 @triton.jit
+def _grouped_matmul_tma_kernel(
+    x_desc,  # TMA descriptor over x [T, K], blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor over the weight's storage [E·N_s, K_s] (B_T: blocks [BLOCK_K, BLOCK_N], else [BLOCK_N,
+             # BLOCK_K])
+    y_ptr,  # [T, N] out, contiguous
+    ends_ptr, tile_ends_ptr,  # the schedule (see schedule())
+    T, N, K, E, ROWS_PER_EXPERT,  # ROWS_PER_EXPERT: N_s, the storage rows of one expert
+    stride_y,
+    B_T: tl.constexpr,  # the weight is a transposed view [E, K, N] of storage [E, N_s = K, K_s = N] (the dx path)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STEPS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # The pointer kernel's schedule with TMA loads. A block may run past its group's rows (other groups' rows:
+    # their products land in rows the masked store drops), past an expert's weight rows into the next expert's
+    # (columns the store drops, or, along K in the dx path, rows met by x's zero-filled columns past K), or past
+    # the tensors' ends (zero-filled).
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles = tl.load(tile_ends_ptr + E)
+    for pair in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0)):
+        e, rows, row_ok, n0 = _pair_tile(pair, ends_ptr, tile_ends_ptr, n_tiles, m_tiles, E,
+                                         BLOCK_M, BLOCK_N, GROUP_M, STEPS)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if e < E:
+            row0 = tl.min(rows, axis=0)
+            for k0 in range(0, K, BLOCK_K):
+                a = x_desc.load([row0, k0])
+                if B_T:
+                    b = w_desc.load([e * ROWS_PER_EXPERT + k0, n0])
+                else:
+                    b = tl.trans(w_desc.load([e * ROWS_PER_EXPERT + n0, k0]))
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+        y = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _grouped_matmul_dweight_kernel(
     dy_ptr,  # [*, N], unit stride along N: row r of the group is dy row dy_rows[r] (or r)
     x_ptr,  # [*, K], unit stride along K: row r is x row x_rows[r] (or r)
@@ -175,15 +216,45 @@ def schedule(group_sizes: Tensor, T: int, block_m: int) -> tuple[Tensor, Tensor]
     return ends, tile_ends(ends, block_m)
 
 
+def _tma_weight(x: Tensor, weight: Tensor) -> tuple[Tensor, bool] | None:
+    """(the weight's storage as [E·N_s, K_s], whether weight is its transposed view) when x and the weight suit
+    TMA (16-bit, contiguous storage, 16-byte aligned rows), else None."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        return None
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return None
+    if weight.is_contiguous():
+        storage, b_t = weight, False
+    elif weight.transpose(1, 2).is_contiguous():
+        storage, b_t = weight.transpose(1, 2), True
+    else:
+        return None
+    if (storage.shape[2] * 2) % 16:
+        return None
+    return storage.reshape(-1, storage.shape[2]), b_t
+
+
 def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tensor) -> Tensor:
     """y[rows of group e] = x[rows] @ weight[e]ᵀ on a schedule from :func:`schedule` (built with _settings'
-    BLOCK_M for x's dtype); y [T, N] contiguous."""
+    BLOCK_M for x's dtype); y [T, N] contiguous. TMA loads where the layouts allow (:func:`_tma_weight`)."""
     T, K = x.shape
     E, N, _ = weight.shape
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
     programs = (cdiv(T, bm) + E + 1) * cdiv(N, bn)  # the most (row tile, column tile) pairs there can be
     if not interpreting():
         programs = min(programs, 2 * num_sms(x.device))
+    tma = _tma_weight(x, weight) if K else None
+    if tma is not None:
+        storage, b_t = tma
+        x_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
+        w_block = [bk, bn] if b_t else [bn, bk]
+        w_desc = TensorDescriptor(storage, list(storage.shape), [storage.stride(0), 1], w_block)
+        launch(_grouped_matmul_tma_kernel, (programs,),
+            x_desc, w_desc, y, ends, tile_ends, T, N, K, E, storage.shape[0] // E, y.stride(0),
+            B_T=b_t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STEPS=(E + 1).bit_length(),
+            UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+        )
+        return y
     launch(_grouped_matmul_fwd_kernel, (programs,),
         x, weight, y, ends, tile_ends, T, N, K, E,
         x.stride(0), *weight.stride(), y.stride(0),
