@@ -171,6 +171,65 @@ def _moe_combine_kernel(
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
+@triton.jit
+def _moe_route_kernel(
+    ids_ptr,  # [N] the experts chosen, flat (N = T·k)
+    out_ptr,  # [3N + 2(E + 1)] int32 out: src [N], order [N], pos [N], ends [E + 1] (triton_fallback/_routing.py),
+              # tile_ends [E + 1] (the schedule's, for row tiles of BLOCK_M)
+    N, E, K,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # One program routes every slot (decode sizes: N ≤ BLOCK). A slot's sorted row is the number of slots whose key
+    # (its id, or E for an id outside [0, E)) is smaller, or equal at an earlier slot: a stable sort by counting,
+    # CHUNK slots compared at a time; ends[g] counts the keys ≤ g. Reads N ids, writes 3N + 2(E + 1) int32.
+    i = tl.arange(0, BLOCK)
+    ok = i < N
+    key = tl.load(ids_ptr + i, mask=ok, other=0)
+    key = tl.where((key >= 0) & (key < E), key, E)
+    key = tl.where(ok, key, E + 1).to(tl.int32)
+    g = tl.arange(0, E_BLOCK)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    count = tl.zeros([E_BLOCK], dtype=tl.int32)
+    below = tl.zeros([E_BLOCK], dtype=tl.int32)  # keys < g: the group's start
+    for j0 in range(0, N, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        other = tl.load(ids_ptr + j, mask=j < N, other=0)
+        other = tl.where((other >= 0) & (other < E), other, E)
+        other = tl.where(j < N, other, E + 1).to(tl.int32)
+        before = (other[None, :] < key[:, None]) | ((other[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+        count += tl.sum((other[None, :] <= g[:, None]).to(tl.int32), axis=1)
+        below += tl.sum((other[None, :] < g[:, None]).to(tl.int32), axis=1)
+    tl.store(out_ptr + rank, i // K, mask=ok)  # src[rank] = token
+    tl.store(out_ptr + N + rank, i, mask=ok)  # order[rank] = slot
+    tl.store(out_ptr + 2 * N + i, rank, mask=ok)  # pos[slot] = rank
+    ends = tl.where(g < E, count, N)
+    tl.store(out_ptr + 3 * N + g, ends, mask=g <= E)
+    tiles = tl.where(g <= E, (ends - below + BLOCK_M - 1) // BLOCK_M, 0)
+    tl.store(out_ptr + 3 * N + E + 1 + g, tl.cumsum(tiles, 0), mask=g <= E)
+
+
+# Slots routed by one program of _moe_route_kernel; more go through torch.sort (triton_fallback/_routing.py).
+ROUTE_MAX = 1024
+
+
+def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`triton_fallback._routing.routing`'s (src, order, pos, ends) and the schedule's tile_ends for row
+    tiles of block_m: one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
+    than the experts' kernels), torch.sort past it."""
+    n = topk_ids.numel()
+    if n > ROUTE_MAX or n == 0:
+        src, order, pos, ends = routing(topk_ids, experts)
+        return src, order, pos, ends, tile_ends(ends, block_m)
+    e1 = experts + 1
+    out = torch.empty(3 * n + 2 * e1, dtype=torch.int32, device=topk_ids.device)
+    block = max(16, triton.next_power_of_2(n))
+    launch(_moe_route_kernel, (1,), topk_ids, out, n, experts, topk_ids.shape[1],
+           BLOCK=block, CHUNK=min(block, 32), E_BLOCK=max(16, triton.next_power_of_2(e1)), BLOCK_M=block_m,
+           num_warps=8)
+    return out[:n], out[n:2 * n], out[2 * n:3 * n], out[3 * n:3 * n + e1], out[3 * n + e1:]
+
+
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
     bm, bn = _settings(dtype, "pair")[:2]
     programs = (cdiv(rows, bm) + experts + 1) * cdiv(n, bn)
@@ -198,9 +257,8 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype, "pair")
-    src, order, pos, ends = routing(topk_ids, E)
+    src, order, pos, ends, tiles = route(topk_ids, E, bm)
     rows = src.numel()
-    tiles = tile_ends(ends, bm)
     ids = topk_ids.reshape(-1)
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
