@@ -142,47 +142,77 @@ def _grouped_matmul_tma_kernel(
 
 
 @triton.jit
+def _dweight_rows(ptr, desc, rows_ptr, m0, end, c0, C, stride,
+                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, GATHER: tl.constexpr, TMA: tl.constexpr,
+                  MASKED: tl.constexpr):
+    # BLOCK_M rows from m0 (row r read at rows_ptr[r] where GATHER) × BLOCK_C columns from c0 of one operand.
+    # TMA: a full block of rows inside the group (MASKED is then False: rows past the group end are never read).
+    if TMA and not MASKED:
+        return desc.load([m0, c0])
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = c0 + tl.arange(0, BLOCK_C)
+    row_ok = rows < end
+    src = rows
+    if GATHER:
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0)
+    return tl.load(ptr + src.to(tl.int64)[:, None] * stride + cols[None, :],
+                   mask=row_ok[:, None] & (cols < C)[None, :], other=0.0)
+
+
+@triton.jit
 def _grouped_matmul_dweight_kernel(
     dy_ptr,  # [*, N], unit stride along N: row r of the group is dy row dy_rows[r] (or r)
     x_ptr,  # [*, K], unit stride along K: row r is x row x_rows[r] (or r)
+    dy_desc, x_desc,  # TMA descriptors over dy and x (blocks [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_K]) where DY_TMA,
+                      # X_TMA; the pointers otherwise
     dy_rows_ptr, x_rows_ptr,  # [T] int32 gathers (read where DY_GATHER / X_GATHER)
     dw_ptr,  # [E, N, K] out, contiguous
     ends_ptr,  # [E + 1] int32 (see the forward)
     N, K,
     stride_dy, stride_x,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DY_GATHER: tl.constexpr, X_GATHER: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    DY_GATHER: tl.constexpr, X_GATHER: tl.constexpr, DY_TMA: tl.constexpr, X_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # One program: expert e, a BLOCK_N × BLOCK_K tile of dweight[e]; reads the group's rows of dy and x once
-    # (BLOCK_M at a time), writes the tile once (zeros for an empty group).
+    # (BLOCK_M at a time), writes the tile once (zeros for an empty group). An expert's tiles run in bands of
+    # GROUP_N row tiles, row tile fastest: the programs running at once read a few column stripes of dy and x's
+    # group rows, which stay in L2, instead of all of x's columns per row tile of dy.
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    e = pid // (n_tiles * k_tiles)
-    n0 = (pid // k_tiles % n_tiles) * BLOCK_N
-    k0 = (pid % k_tiles) * BLOCK_K
+    per_e = n_tiles * k_tiles
+    e = pid // per_e
+    tile = pid % per_e
+    band = tile // (GROUP_N * k_tiles)
+    band_rows = tl.minimum(n_tiles - band * GROUP_N, GROUP_N)
+    in_band = tile % (GROUP_N * k_tiles)
+    n0 = (band * GROUP_N + in_band % band_rows) * BLOCK_N
+    k0 = (in_band // band_rows) * BLOCK_K
     start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
     end = tl.load(ends_ptr + e)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    ks = k0 + tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        dy_rows = rows
-        if DY_GATHER:
-            dy_rows = tl.load(dy_rows_ptr + rows, mask=row_ok, other=0)
-        x_rows = rows
-        if X_GATHER:
-            x_rows = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
-        g = tl.load(dy_ptr + dy_rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
-                    mask=row_ok[:, None] & (cols < N)[None, :], other=0.0)
-        a = tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    full = start + (end - start) // BLOCK_M * BLOCK_M
+    for m0 in range(start, full, BLOCK_M):  # whole blocks of the group's rows: no row mask
+        g = _dweight_rows(dy_ptr, dy_desc, dy_rows_ptr, m0, end, n0, N, stride_dy, BLOCK_M, BLOCK_N,
+                          DY_GATHER, DY_TMA, False)
+        a = _dweight_rows(x_ptr, x_desc, x_rows_ptr, m0, end, k0, K, stride_x, BLOCK_M, BLOCK_K,
+                          X_GATHER, X_TMA, False)
+        if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
+            g = g.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
+    if full < end:  # the group's last rows, masked
+        g = _dweight_rows(dy_ptr, dy_desc, dy_rows_ptr, full, end, n0, N, stride_dy, BLOCK_M, BLOCK_N,
+                          DY_GATHER, DY_TMA, True)
+        a = _dweight_rows(x_ptr, x_desc, x_rows_ptr, full, end, k0, K, stride_x, BLOCK_M, BLOCK_K,
+                          X_GATHER, X_TMA, True)
         if UPCAST:
             g = g.to(tl.float32)
             a = a.to(tl.float32)
         acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
+    cols = n0 + tl.arange(0, BLOCK_N)
+    ks = k0 + tl.arange(0, BLOCK_K)
     dw = dw_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + ks[None, :]
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (ks < K)[None, :])
 
@@ -193,6 +223,15 @@ def _grouped_matmul_dweight_kernel(
 # gradient (BLOCK_M is then its reduction step: rows read per iteration), "pair" the moe kernels with two
 # accumulators (gate and up) or an epilogue that reads two more tiles.
 _GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 128, 8, 8, 3), "pair": (128, 128, 64, 8, 8, 3)}
+
+
+# TMA loads (host descriptors, which take Triton's slower launch path) from this many rows of the A operand on.
+_TMA = True
+_TMA_ROWS = 1024
+
+
+def _tma_size(rows: int) -> bool:
+    return _TMA and (rows >= _TMA_ROWS or interpreting())
 
 
 def _settings(dtype: torch.dtype, kind: str = "fwd") -> tuple[int, int, int, int, int, int]:
@@ -243,7 +282,9 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
     programs = (cdiv(T, bm) + E + 1) * cdiv(N, bn)  # the most (row tile, column tile) pairs there can be
     if not interpreting():
         programs = min(programs, 2 * num_sms(x.device))
-    tma = _tma_weight(x, weight) if K else None
+    tma = _tma_weight(x, weight) if K and _tma_size(T) else None
+    if tma is not None and tma[1] and K % bk:  # transposed storage: a K tail would read the next expert's rows
+        tma = None
     if tma is not None:
         storage, b_t = tma
         x_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
@@ -264,19 +305,35 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
     return y
 
 
+def _tma_rows(t: Tensor, block: list[int]) -> TensorDescriptor | None:
+    """A TMA descriptor over the 2-D t (16-bit, unit column stride, 16-byte aligned base and rows) with the given
+    block, else None."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(1) != 1 or (t.stride(0) * 2) % 16 \
+            or t.data_ptr() % 16 or (t.shape[1] * 2) % 16:
+        return None
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
+
+
 def dweight_into(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tensor | None = None,
                  x_rows: Tensor | None = None) -> Tensor:
     """dw[e] = dy[rows of e]ᵀ @ x[rows of e] (float32 accumulation), where row r of a group reads dy row
-    dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K] contiguous."""
+    dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K] contiguous. TMA loads for an
+    operand read in order whose layout allows it."""
     E, N, K = dw.shape
-    bm, bn, bk, _, warps, stages = _settings(x.dtype, "dweight")
-    if dw.numel():
-        launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
-            dy, x, dy_rows if dy_rows is not None else ends, x_rows if x_rows is not None else ends, dw, ends,
-            N, K, dy.stride(0), x.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DY_GATHER=dy_rows is not None, X_GATHER=x_rows is not None,
-            UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
-        )
+    bm, bn, bk, group_n, warps, stages = _settings(x.dtype, "dweight")
+    if not dw.numel():
+        return dw
+    big = _tma_size(dy.shape[0])
+    dy_desc = _tma_rows(dy, [bm, bn]) if big and dy_rows is None else None
+    x_desc = _tma_rows(x, [bm, bk]) if big and x_rows is None else None
+    launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
+        dy, x, dy if dy_desc is None else dy_desc, x if x_desc is None else x_desc,
+        dy_rows if dy_rows is not None else ends, x_rows if x_rows is not None else ends, dw, ends,
+        N, K, dy.stride(0), x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=group_n, DY_GATHER=dy_rows is not None,
+        X_GATHER=x_rows is not None, DY_TMA=dy_desc is not None, X_TMA=x_desc is not None,
+        UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+    )
     return dw
 
 

@@ -174,8 +174,8 @@ def _moe_combine_kernel(
 @triton.jit
 def _moe_route_kernel(
     ids_ptr,  # [N] the experts chosen, flat (N = T·k)
-    out_ptr,  # [3N + 2(E + 1)] int32 out: src [N], order [N], pos [N], ends [E + 1] (triton_fallback/_routing.py),
-              # tile_ends [E + 1] (the schedule's, for row tiles of BLOCK_M)
+    src_ptr, order_ptr, pos_ptr,  # [N] int32 out each (triton_fallback/_routing.py)
+    ends_ptr,  # [2(E + 1)] int32 out: ends [E + 1], then tile_ends [E + 1] (the schedule's, row tiles of BLOCK_M)
     N, E, K,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -200,13 +200,13 @@ def _moe_route_kernel(
         rank += tl.sum(before.to(tl.int32), axis=1)
         count += tl.sum((other[None, :] <= g[:, None]).to(tl.int32), axis=1)
         below += tl.sum((other[None, :] < g[:, None]).to(tl.int32), axis=1)
-    tl.store(out_ptr + rank, i // K, mask=ok)  # src[rank] = token
-    tl.store(out_ptr + N + rank, i, mask=ok)  # order[rank] = slot
-    tl.store(out_ptr + 2 * N + i, rank, mask=ok)  # pos[slot] = rank
+    tl.store(src_ptr + rank, i // K, mask=ok)  # src[rank] = token
+    tl.store(order_ptr + rank, i, mask=ok)  # order[rank] = slot
+    tl.store(pos_ptr + i, rank, mask=ok)  # pos[slot] = rank
     ends = tl.where(g < E, count, N)
-    tl.store(out_ptr + 3 * N + g, ends, mask=g <= E)
+    tl.store(ends_ptr + g, ends, mask=g <= E)
     tiles = tl.where(g <= E, (ends - below + BLOCK_M - 1) // BLOCK_M, 0)
-    tl.store(out_ptr + 3 * N + E + 1 + g, tl.cumsum(tiles, 0), mask=g <= E)
+    tl.store(ends_ptr + E + 1 + g, tl.cumsum(tiles, 0), mask=g <= E)
 
 
 # Slots routed by one program of _moe_route_kernel; more go through torch.sort (triton_fallback/_routing.py).
@@ -222,12 +222,14 @@ def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor,
         src, order, pos, ends = routing(topk_ids, experts)
         return src, order, pos, ends, tile_ends(ends, block_m)
     e1 = experts + 1
-    out = torch.empty(3 * n + 2 * e1, dtype=torch.int32, device=topk_ids.device)
+    # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another.
+    src, order, pos = (torch.empty(n, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
+    ends = torch.empty(2 * e1, dtype=torch.int32, device=topk_ids.device)
     block = max(16, triton.next_power_of_2(n))
-    launch(_moe_route_kernel, (1,), topk_ids, out, n, experts, topk_ids.shape[1],
+    launch(_moe_route_kernel, (1,), topk_ids, src, order, pos, ends, n, experts, topk_ids.shape[1],
            BLOCK=block, CHUNK=min(block, 32), E_BLOCK=max(16, triton.next_power_of_2(e1)), BLOCK_M=block_m,
            num_warps=8)
-    return out[:n], out[n:2 * n], out[2 * n:3 * n], out[3 * n:3 * n + e1], out[3 * n + e1:]
+    return src, order, pos, ends[:e1], ends[e1:]
 
 
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
