@@ -220,9 +220,10 @@ def _grouped_matmul_dweight_kernel(
 # Launch settings per kernel kind for 16-bit inputs on a GPU: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages).
 # BLOCK_M is the schedule's row tile, the same for every kind (one schedule serves a call's kernels). From a sweep
 # at Mixtral's and Qwen3-MoE's shapes (bench/results/h200): "fwd" the grouped product, "dweight" the weight
-# gradient (BLOCK_M is then its reduction step: rows read per iteration), "pair" the moe kernels with two
+# gradient (BLOCK_M is then its reduction step: rows read per iteration, GROUP_M its band of row tiles of
+# dweight), "pair" the moe kernels with two
 # accumulators (gate and up) or an epilogue that reads two more tiles.
-_GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 128, 8, 8, 3), "pair": (128, 128, 64, 8, 8, 3)}
+_GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 256, 8, 8, 3), "pair": (128, 128, 64, 8, 8, 3)}
 
 
 # TMA loads (host descriptors, which take Triton's slower launch path) from this many rows of the A operand on.
@@ -323,7 +324,15 @@ def dweight_into(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tenso
     bm, bn, bk, group_n, warps, stages = _settings(x.dtype, "dweight")
     if not dw.numel():
         return dw
-    big = _tma_size(dy.shape[0])
+    rows = dy_rows.numel() if dy_rows is not None else x_rows.numel() if x_rows is not None else dy.shape[0]
+    big = _tma_size(rows)
+    if big and x.dtype in (torch.float16, torch.bfloat16):
+        # A gathered operand is copied into group order first, so that TMA reads it: the copy moves rows·cols
+        # elements, far less time than the rows·N·K product it speeds up.
+        if dy_rows is not None and (N * 2) % 16 == 0:
+            dy, dy_rows = dy.index_select(0, dy_rows), None
+        if x_rows is not None and (K * 2) % 16 == 0:
+            x, x_rows = x.index_select(0, x_rows), None
     dy_desc = _tma_rows(dy, [bm, bn]) if big and dy_rows is None else None
     x_desc = _tma_rows(x, [bm, bk]) if big and x_rows is None else None
     launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
