@@ -166,10 +166,10 @@ def _grouped_matmul_dweight_kernel(
     dy_desc, x_desc,  # TMA descriptors over dy and x (blocks [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_K]) where DY_TMA,
                       # X_TMA; the pointers otherwise
     dy_rows_ptr, x_rows_ptr,  # [T] int32 gathers (read where DY_GATHER / X_GATHER)
-    dw_ptr,  # [E, N, K] out, contiguous
+    dw_ptr,  # [E, N, K] out, unit stride along K
     ends_ptr,  # [E + 1] int32 (see the forward)
     N, K,
-    stride_dy, stride_x,
+    stride_dy, stride_x, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     DY_GATHER: tl.constexpr, X_GATHER: tl.constexpr, DY_TMA: tl.constexpr, X_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -213,7 +213,7 @@ def _grouped_matmul_dweight_kernel(
         acc = tl.dot(tl.trans(g), a, acc, input_precision="ieee")
     cols = n0 + tl.arange(0, BLOCK_N)
     ks = k0 + tl.arange(0, BLOCK_K)
-    dw = dw_ptr + e.to(tl.int64) * N * K + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    dw = dw_ptr + e.to(tl.int64) * stride_dwe + cols.to(tl.int64)[:, None] * stride_dwn + ks[None, :]
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (ks < K)[None, :])
 
 
@@ -229,6 +229,8 @@ _GPU = {"fwd": (128, 256, 64, 8, 8, 3), "dweight": (64, 128, 256, 8, 8, 3), "pai
 # TMA loads (host descriptors, which take Triton's slower launch path) from this many rows of the A operand on.
 _TMA = True
 _TMA_ROWS = 1024
+# A gathered operand of the weight gradient this large (bytes) is copied into group order a quarter at a time.
+_SLICED_COPY = 32 * 2**20
 
 
 def _tma_size(rows: int) -> bool:
@@ -318,27 +320,45 @@ def _tma_rows(t: Tensor, block: list[int]) -> TensorDescriptor | None:
 def dweight_into(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tensor | None = None,
                  x_rows: Tensor | None = None) -> Tensor:
     """dw[e] = dy[rows of e]ᵀ @ x[rows of e] (float32 accumulation), where row r of a group reads dy row
-    dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K] contiguous. TMA loads for an
-    operand read in order whose layout allows it."""
-    E, N, K = dw.shape
-    bm, bn, bk, group_n, warps, stages = _settings(x.dtype, "dweight")
+    dy_rows[r] and x row x_rows[r] when those gathers are given; dw [E, N, K], unit stride along K. TMA loads for
+    operands read in order whose layout allows it."""
+    _, N, K = dw.shape
     if not dw.numel():
         return dw
     rows = dy_rows.numel() if dy_rows is not None else x_rows.numel() if x_rows is not None else dy.shape[0]
-    big = _tma_size(rows)
-    if big and x.dtype in (torch.float16, torch.bfloat16):
+    if _tma_size(rows) and x.dtype in (torch.float16, torch.bfloat16):
         # A gathered operand is copied into group order first, so that TMA reads it: the copy moves rows·cols
-        # elements, far less time than the rows·N·K product it speeds up.
-        if dy_rows is not None and (N * 2) % 16 == 0:
-            dy, dy_rows = dy.index_select(0, dy_rows), None
-        if x_rows is not None and (K * 2) % 16 == 0:
-            x, x_rows = x.index_select(0, x_rows), None
+        # elements, far less time than the rows·N·K product it speeds up. Large copies go a column slice at a time
+        # (a slice of dw each), so the copy adds a quarter of the operand to the backward's peak memory.
+        for which, gathered, rows_of, cols in ((1, dy, dy_rows, N), (2, x, x_rows, K)):
+            if rows_of is None or (cols * 2) % 16:
+                continue
+            block = _settings(x.dtype, "dweight")[which]  # BLOCK_N for dy's columns, BLOCK_K for x's
+            parts = 4 if rows * cols * gathered.element_size() >= _SLICED_COPY else 2 if interpreting() else 1
+            width = cdiv(cdiv(cols, parts), block) * block
+            for c0 in range(0, cols, width):
+                part = gathered[:, c0:c0 + width].index_select(0, rows_of)
+                if which == 1:
+                    _dweight(part, x, dw[:, c0:c0 + width], ends, None, x_rows)
+                else:
+                    _dweight(dy, part, dw[:, :, c0:c0 + width], ends, dy_rows, None)
+                del part  # before the next slice's copy: one slice alive at a time
+            return dw
+    return _dweight(dy, x, dw, ends, dy_rows, x_rows)
+
+
+def _dweight(dy: Tensor, x: Tensor, dw: Tensor, ends: Tensor, dy_rows: Tensor | None, x_rows: Tensor | None
+             ) -> Tensor:
+    E, N, K = dw.shape
+    bm, bn, bk, group_n, warps, stages = _settings(x.dtype, "dweight")
+    rows = dy_rows.numel() if dy_rows is not None else dy.shape[0]
+    big = _tma_size(rows)
     dy_desc = _tma_rows(dy, [bm, bn]) if big and dy_rows is None else None
     x_desc = _tma_rows(x, [bm, bk]) if big and x_rows is None else None
     launch(_grouped_matmul_dweight_kernel, (E * cdiv(N, bn) * cdiv(K, bk),),
         dy, x, dy if dy_desc is None else dy_desc, x if x_desc is None else x_desc,
         dy_rows if dy_rows is not None else ends, x_rows if x_rows is not None else ends, dw, ends,
-        N, K, dy.stride(0), x.stride(0),
+        N, K, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=group_n, DY_GATHER=dy_rows is not None,
         X_GATHER=x_rows is not None, DY_TMA=dy_desc is not None, X_TMA=x_desc is not None,
         UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
