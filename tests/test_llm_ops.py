@@ -109,3 +109,37 @@ def test_moe_frozen_experts_skip_the_weight_gradients(backend, device, monkeypat
     assert got[1].dtype == torch.float64 and not calls
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 8), (5, 2), (64, 8), (128, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_moe_routing_kernels_match_the_torch_routing(backend, shape, device):
+    """The one-launch routing of the decode sizes (a counting sort) gives exactly the torch routing: the stable
+    order, each slot's row, the group ends and the bounds or tile schedule, with repeated experts in a row, experts
+    with no slot and ids outside [0, E) (sorted past the last group). 128 × 8 slots fill several tiles of slots."""
+    from triton_fallback._routing import ROUTE_MAX, bounds, routing, tile_ends
+
+    T, k = shape
+    E = 6
+    assert T * k <= ROUTE_MAX
+    g = torch.Generator().manual_seed(T * 31 + k)
+    ids = torch.randint(-2, E + 2, (T, k), generator=g).to(device)
+    if T * k > 4:
+        ids[0, :] = 3  # a row repeating one expert
+    want = routing(ids, E)
+    if backend == "triton":
+        import triton_fallback.moe as triton_moe
+
+        *got, tiles = triton_moe.route(ids, E, 16)
+        want_more = (tile_ends(want[3], 16),)
+        got_more = (tiles,)
+    else:
+        from hkernels.ops import moe as helion_moe
+
+        *got, starts, group_ends, tails = helion_moe._route(ids, E)
+        want_more = bounds(want[3])
+        got_more = (starts, group_ends, tails)
+    names = ("src", "order", "pos", "ends", *(f"schedule[{i}]" for i in range(len(want_more))))
+    for name, a, b in zip(names, (*got, *got_more), (*want, *want_more), strict=True):
+        assert a.dtype == torch.int32, name
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

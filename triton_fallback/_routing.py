@@ -7,6 +7,10 @@ import torch
 
 Tensor = torch.Tensor
 
+# Slots routed by one launch of a backend's routing kernel (a counting sort: decode sizes); more go through
+# torch.sort (:func:`routing`).
+ROUTE_MAX = 1024
+
 
 def routing(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(src, order, pos, ends) for topk_ids [T, k]: the T·k (token, slot) pairs sorted by expert, stably, ids

@@ -26,11 +26,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_fallback._common import cdiv, interpreting, num_sms
 from triton_fallback._launch import launch
-from triton_fallback._routing import routing, tile_ends
-from triton_fallback.grouped_matmul import _pair_tile, _settings, _upcast, dweight_into, fwd_into
+from triton_fallback._routing import ROUTE_MAX, routing, tile_ends
+from triton_fallback.grouped_matmul import (
+    _pair_tile,
+    _settings,
+    _tma_rows,
+    _tma_size,
+    _upcast,
+    dweight_into,
+    fwd_into,
+)
 
 Tensor = torch.Tensor
 
@@ -39,6 +48,7 @@ Tensor = torch.Tensor
 def _moe_up_kernel(
     x_ptr,  # [T, H], unit stride along H
     w_ptr,  # [E, 2I, H] gate_up by strides
+    w_desc,  # where W_TMA: a TMA descriptor over gate_up's storage [E·2I, H], blocks [BLOCK_N, BLOCK_K]
     src_ptr,  # [T·k] int32: the token of each sorted row
     pre_ptr,  # [T·k, 2I] out (written where SAVE_PRE): g, then u
     h_ptr,  # [T·k, I] out: silu(g) · u
@@ -46,7 +56,7 @@ def _moe_up_kernel(
     I, H, E,  # noqa: E741
     stride_x, stride_we, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STEPS: tl.constexpr, SAVE_PRE: tl.constexpr, UPCAST: tl.constexpr,
+    STEPS: tl.constexpr, SAVE_PRE: tl.constexpr, W_TMA: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Per (row tile, column tile of I): reads BLOCK_M gathered rows of x and BLOCK_N gate and up rows of
     # gate_up[e] over H; writes h (and g, u) for the tile. Rows past the last group (ids out of range) get zeros.
@@ -68,8 +78,14 @@ def _moe_up_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = (ks < H)[None, :]
                 a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
-                bg = tl.load(w_gate + ks[None, :].to(tl.int64) * stride_wk, mask=col_ok[:, None] & k_ok, other=0.0)
-                bu = tl.load(w_up + ks[None, :].to(tl.int64) * stride_wk, mask=col_ok[:, None] & k_ok, other=0.0)
+                if W_TMA:  # rows past I (or past the expert) give columns the stores drop; past H zeros
+                    bg = w_desc.load([e * 2 * I + n0, k0])
+                    bu = w_desc.load([e * 2 * I + I + n0, k0])
+                else:
+                    bg = tl.load(w_gate + ks[None, :].to(tl.int64) * stride_wk, mask=col_ok[:, None] & k_ok,
+                                 other=0.0)
+                    bu = tl.load(w_up + ks[None, :].to(tl.int64) * stride_wk, mask=col_ok[:, None] & k_ok,
+                                 other=0.0)
                 if UPCAST:  # interpret mode: the interpreter multiplies bf16 tiles' raw bits
                     a = a.to(tl.float32)
                     bg = bg.to(tl.float32)
@@ -90,6 +106,8 @@ def _moe_up_kernel(
 def _moe_down_bwd_kernel(
     dout_ptr,  # [T, H], unit stride along H
     w_ptr,  # [E, H, I] down by strides
+    w_desc,  # where W_TMA: a TMA descriptor over down's storage [E·H, I], blocks [BLOCK_K, BLOCK_N] (H a multiple
+             # of BLOCK_K)
     src_ptr,  # [T·k] int32: the token of each sorted row
     order_ptr,  # [T·k] int32: each sorted row's flat (token, slot) index
     tw_ptr,  # [T·k] routing weights, flat
@@ -101,7 +119,7 @@ def _moe_down_bwd_kernel(
     I, H, E,  # noqa: E741
     stride_dout, stride_we, stride_wh, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    STEPS: tl.constexpr, UPCAST: tl.constexpr,
+    STEPS: tl.constexpr, W_TMA: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Per (row tile, column tile of I): reads BLOCK_M gathered rows of dout and down[e][:, cols] over H, and the
     # tile's g, u; writes dg, du and w·h for the tile, adds the tile's share of each row's dw.
@@ -120,8 +138,11 @@ def _moe_down_bwd_kernel(
             for k0 in range(0, H, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(d_rows + ks[None, :], mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
-                b = tl.load(w_cols + ks[:, None].to(tl.int64) * stride_wh, mask=(ks < H)[:, None] & col_ok[None, :],
-                            other=0.0)
+                if W_TMA:  # columns past I read zeros
+                    b = w_desc.load([e * H + k0, n0])
+                else:
+                    b = tl.load(w_cols + ks[:, None].to(tl.int64) * stride_wh,
+                                mask=(ks < H)[:, None] & col_ok[None, :], other=0.0)
                 if UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
@@ -171,6 +192,71 @@ def _moe_combine_kernel(
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
+@triton.jit
+def _moe_route_kernel(
+    ids_ptr,  # [N] the experts chosen, flat (N = T·k)
+    src_ptr, order_ptr, pos_ptr,  # [N] int32 out each (triton_fallback/_routing.py)
+    ends_ptr,  # [2(E + 1)] int32 out: ends [E + 1], then tile_ends [E + 1] (the schedule's, row tiles of BLOCK_M)
+    N, E, K,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # One program routes every slot (decode sizes: N ≤ BLOCK). A slot's sorted row is the number of slots whose key
+    # (its id, or E for an id outside [0, E)) is smaller, or equal at an earlier slot: a stable sort by counting,
+    # CHUNK slots compared at a time; ends[g] counts the keys ≤ g. Reads N ids, writes 3N + 2(E + 1) int32.
+    i = tl.arange(0, BLOCK)
+    ok = i < N
+    key = tl.load(ids_ptr + i, mask=ok, other=0)
+    key = tl.where((key >= 0) & (key < E), key, E)
+    key = tl.where(ok, key, E + 1).to(tl.int32)
+    g = tl.arange(0, E_BLOCK)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    count = tl.zeros([E_BLOCK], dtype=tl.int32)
+    below = tl.zeros([E_BLOCK], dtype=tl.int32)  # keys < g: the group's start
+    for j0 in range(0, N, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        other = tl.load(ids_ptr + j, mask=j < N, other=0)
+        other = tl.where((other >= 0) & (other < E), other, E)
+        other = tl.where(j < N, other, E + 1).to(tl.int32)
+        before = (other[None, :] < key[:, None]) | ((other[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+        count += tl.sum((other[None, :] <= g[:, None]).to(tl.int32), axis=1)
+        below += tl.sum((other[None, :] < g[:, None]).to(tl.int32), axis=1)
+    tl.store(src_ptr + rank, i // K, mask=ok)  # src[rank] = token
+    tl.store(order_ptr + rank, i, mask=ok)  # order[rank] = slot
+    tl.store(pos_ptr + i, rank, mask=ok)  # pos[slot] = rank
+    ends = tl.where(g < E, count, N)
+    tl.store(ends_ptr + g, ends, mask=g <= E)
+    tiles = tl.where(g <= E, (ends - below + BLOCK_M - 1) // BLOCK_M, 0)
+    tl.store(ends_ptr + E + 1 + g, tl.cumsum(tiles, 0), mask=g <= E)
+
+
+def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`triton_fallback._routing.routing`'s (src, order, pos, ends) and the schedule's tile_ends for row
+    tiles of block_m: one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
+    than the experts' kernels), torch.sort past it."""
+    n = topk_ids.numel()
+    if n > ROUTE_MAX or n == 0:
+        src, order, pos, ends = routing(topk_ids, experts)
+        return src, order, pos, ends, tile_ends(ends, block_m)
+    e1 = experts + 1
+    # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another.
+    src, order, pos = (torch.empty(n, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
+    ends = torch.empty(2 * e1, dtype=torch.int32, device=topk_ids.device)
+    block = max(16, triton.next_power_of_2(n))
+    launch(_moe_route_kernel, (1,), topk_ids, src, order, pos, ends, n, experts, topk_ids.shape[1],
+           BLOCK=block, CHUNK=min(block, 32), E_BLOCK=max(16, triton.next_power_of_2(e1)), BLOCK_M=block_m,
+           num_warps=8)
+    return src, order, pos, ends[:e1], ends[e1:]
+
+
+def _weight_desc(w: Tensor, rows: int, block: list[int]) -> TensorDescriptor | None:
+    """A TMA descriptor over the experts' weight storage [E·R, C] for a launch over ``rows`` sorted rows, where
+    TMA pays (grouped_matmul's threshold) and w's layout allows it; else None."""
+    if not _tma_size(rows) or not w.is_contiguous():
+        return None
+    return _tma_rows(w.view(-1, w.shape[2]), block)
+
+
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
     bm, bn = _settings(dtype, "pair")[:2]
     programs = (cdiv(rows, bm) + experts + 1) * cdiv(n, bn)
@@ -198,19 +284,19 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype, "pair")
-    src, order, pos, ends = routing(topk_ids, E)
+    src, order, pos, ends, tiles = route(topk_ids, E, bm)
     rows = src.numel()
-    tiles = tile_ends(ends, bm)
     ids = topk_ids.reshape(-1)
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
     if rows == 0:
         return x.new_zeros((T, H)), pre, src, order, pos, ends
+    w_desc = _weight_desc(gate_up, rows, [bn, bk])
     launch(_moe_up_kernel, (_programs(rows, I, E, x.dtype, x.device),),
-        x, gate_up, src, pre if save else h, h, ends, tiles, I, H, E,
+        x, gate_up, gate_up if w_desc is None else w_desc, src, pre if save else h, h, ends, tiles, I, H, E,
         x.stride(0), *gate_up.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STEPS=(E + 1).bit_length(), SAVE_PRE=save,
-        UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+        W_TMA=w_desc is not None, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
     )
     y = fwd_into(h, down, torch.empty((rows, H), dtype=x.dtype, device=x.device), ends, tiles)
     out = combine(y, pos, ids, topk_weights.reshape(-1), T, E)
@@ -234,11 +320,13 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     dpre = torch.empty_like(pre)
     hw = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dsw = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    # TMA for down's columns where a K step never runs into the next expert's rows
+    w_desc = _weight_desc(down, rows, [bk, bn]) if H % bk == 0 else None
     launch(_moe_down_bwd_kernel, (_programs(rows, I, E, x.dtype, x.device),),
-        dout, down, src, order, topk_weights.reshape(-1), pre, dpre, hw, dsw, ends, tiles, I, H, E,
-        dout.stride(0), *down.stride(),
+        dout, down, down if w_desc is None else w_desc, src, order, topk_weights.reshape(-1), pre, dpre, hw, dsw,
+        ends, tiles, I, H, E, dout.stride(0), *down.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STEPS=(E + 1).bit_length(),
-        UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+        W_TMA=w_desc is not None, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
     )
     # In this order, each buffer freed once read for the last time: at most pre, two [T·k, ·] buffers and the
     # weight gradients are alive at once (the peak of a forward+backward).

@@ -16,9 +16,64 @@ import torch.nn.functional as F
 
 from hkernels.ops import _helion
 from hkernels.ops.grouped_matmul import _grouped_matmul_fwd
-from triton_fallback._routing import bounds, routing
+from triton_fallback._routing import ROUTE_MAX, bounds, routing
 
 Tensor = torch.Tensor
+
+
+@helion.kernel(static_shapes=False)
+def _moe_route(ids: Tensor, src: Tensor, order: Tensor, pos: Tensor, starts: Tensor, ends: Tensor, tails: Tensor,
+               k: int) -> None:
+    # ids [N] the experts chosen, flat (N = T·k); src, order, pos [N] int32 out (triton_fallback/_routing.py);
+    # starts, ends, tails [E + 1] int32 out: each group's rows, the rows past the last group in tails[E − 1] (its
+    # bounds(), the first E entries), and ends[E] = N. A stable sort by counting: a slot's sorted row is the number
+    # of slots whose key (its id, or E for an id outside [0, E)) is smaller, or equal at an earlier slot. For the
+    # decode sizes (N ≤ ROUTE_MAX): reads the N ids once per tile of slots or groups.
+    n = ids.size(0)
+    groups = starts.size(0) - 1
+    for tile_i in hl.tile(n):
+        key_i = ids[tile_i]
+        key_i = torch.where((key_i >= 0) & (key_i < groups), key_i, groups)
+        rank = hl.zeros([tile_i], dtype=torch.int32)
+        for tile_j in hl.tile(n):
+            key_j = ids[tile_j]
+            key_j = torch.where((key_j >= 0) & (key_j < groups), key_j, groups)
+            earlier = (key_j[None, :] < key_i[:, None]) | (
+                (key_j[None, :] == key_i[:, None]) & (tile_j.index[None, :] < tile_i.index[:, None]))
+            rank = rank + torch.sum((earlier & (tile_j.index < n)[None, :]).to(torch.int32), 1).to(torch.int32)
+        src[rank] = (tile_i.index // k).to(torch.int32)
+        order[rank] = tile_i.index.to(torch.int32)
+        pos[tile_i] = rank
+    for tile_g in hl.tile(groups + 1):
+        upto = hl.zeros([tile_g], dtype=torch.int32)
+        below = hl.zeros([tile_g], dtype=torch.int32)
+        for tile_j in hl.tile(n):
+            key_j = ids[tile_j]
+            key_j = torch.where((key_j >= 0) & (key_j < groups), key_j, groups)
+            valid = (tile_j.index < n)[None, :]
+            upto = upto + torch.sum(((key_j[None, :] <= tile_g.index[:, None]) & valid).to(torch.int32), 1).to(
+                torch.int32)
+            below = below + torch.sum(((key_j[None, :] < tile_g.index[:, None]) & valid).to(torch.int32), 1).to(
+                torch.int32)
+        starts[tile_g] = below
+        ends[tile_g] = torch.where(tile_g.index < groups, upto, n)
+        tails[tile_g] = torch.where(tile_g.index == groups - 1, n - upto, 0)
+
+
+def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(src, order, pos, ends [E + 1]) of triton_fallback/_routing.py's routing and its bounds (starts, ends,
+    tails [E]): one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
+    than the experts' kernels), torch.sort past it."""
+    n = topk_ids.numel()
+    if n > ROUTE_MAX or n == 0:
+        src, order, pos, ends = routing(topk_ids, experts)
+        return src, order, pos, ends, *bounds(ends)
+    # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another.
+    src, order, pos = (torch.empty(n, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
+    starts, ends, tails = (torch.empty(experts + 1, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
+    _helion.run(_moe_route, (topk_ids.view(-1), src, order, pos, starts, ends, tails, topk_ids.shape[1]), n,
+                topk_ids.device)
+    return src, order, pos, ends, starts[:experts], ends[:experts], tails[:experts]
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
@@ -149,9 +204,8 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
         if I2 == 2 and pre.numel():
             pre = pre[:, ::2].contiguous()
         return out[:, :H].contiguous(), pre, *routed
-    src, order, pos, ends = routing(topk_ids, E)
+    src, order, pos, ends, starts, group_ends, tails = _route(topk_ids, E)
     rows = src.numel()
-    starts, group_ends, tails = bounds(ends)
     h = torch.empty((rows, I2 // 2), dtype=x.dtype, device=x.device)
     pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
     _helion.run(_moe_up, (x, gate_up, src, starts, group_ends, pre if save else h, h, save), I2 // 2, x.device)
