@@ -301,8 +301,8 @@ def _with_grads(fn: Callable[..., Any], inputs: dict[str, Tensor], kwargs: dict[
     received = {**leaves, **{k: v for k, v in kwargs.items() if isinstance(v, Tensor)}}
     before = {k: v.detach().clone() for k, v in received.items()} if unwritten else {}
     outs = _outputs(fn(**leaves, **kwargs))
-    if ups is None:
-        ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    if ups is None:  # rounded to each output's dtype: the reference and PyTorch get the values the call gets
+        ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double() for o in outs]
     wanted = [o for o in outs if o.requires_grad]
     if not wanted:
         filled = tuple(torch.zeros_like(leaves[n]) for n in grads)
