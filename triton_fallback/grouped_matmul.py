@@ -263,7 +263,8 @@ def _tma_weight(x: Tensor, weight: Tensor) -> tuple[Tensor, bool] | None:
     TMA (16-bit, contiguous storage, 16-byte aligned rows), else None."""
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return None
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or weight.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 \
+            or weight.data_ptr() % 16:  # rows that overlap (an expanded x: stride 0) go by pointer
         return None
     if weight.is_contiguous():
         storage, b_t = weight, False
@@ -309,10 +310,10 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
 
 
 def _tma_rows(t: Tensor, block: list[int]) -> TensorDescriptor | None:
-    """A TMA descriptor over the 2-D t (16-bit, unit column stride, 16-byte aligned base and rows) with the given
-    block, else None."""
-    if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(1) != 1 or (t.stride(0) * 2) % 16 \
-            or t.data_ptr() % 16 or (t.shape[1] * 2) % 16:
+    """A TMA descriptor over the 2-D t (16-bit, unit column stride, rows that do not overlap, 16-byte aligned base
+    and rows) with the given block, else None."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(1) != 1 or t.stride(0) < t.shape[1] \
+            or (t.stride(0) * 2) % 16 or t.data_ptr() % 16 or (t.shape[1] * 2) % 16:
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
 
