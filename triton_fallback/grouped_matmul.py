@@ -11,6 +11,10 @@ No host sync: the tile schedule is built on the device (a cumsum of the groups' 
 covers its upper bound, cdiv(T, BLOCK_M) + E row tiles; a persistent grid walks the tiles that exist and finds
 each tile's group by a binary search over the schedule.
 
+Loads: from 1024 rows on, 16-bit operands whose layout allows it are read by TMA (host tensor descriptors); a
+gathered operand of the weight gradient is first copied into group order for that. Smaller calls, float32 and
+other layouts use pointer loads.
+
 Work and traffic: 2·T·N·K flops forward (2× that backward). The forward reads each x row once per column tile and
 each expert's weight once per row tile of that expert; the dweight kernel reads the group's rows of dy and x once
 per (N, K) tile of that expert.
@@ -116,8 +120,8 @@ def _grouped_matmul_tma_kernel(
 ):
     # The pointer kernel's schedule with TMA loads. A block may run past its group's rows (other groups' rows:
     # their products land in rows the masked store drops), past an expert's weight rows into the next expert's
-    # (columns the store drops, or, along K in the dx path, rows met by x's zero-filled columns past K), or past
-    # the tensors' ends (zero-filled).
+    # (columns the store drops; the transposed weight of the dx path is read only where K is a multiple of
+    # BLOCK_K, so a K step never reaches the next expert), or past the tensors' ends (zero-filled).
     n_tiles = tl.cdiv(N, BLOCK_N)
     m_tiles = tl.load(tile_ends_ptr + E)
     for pair in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0)):
