@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,6 +137,12 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
         return fn(*args)
 
 
+# Helion's compiler writes to torch.fx's process-wide node metadata while it traces and lowers a kernel, so two
+# threads compiling at once can corrupt each other's (a KeyError: 'location' inside Helion). Binding and compiling
+# take this lock; a call whose kernel is compiled never does.
+COMPILING = threading.RLock()
+
+
 def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
     """``kernel`` compiled for ``args`` with its shipped config: Helion's generated host function."""
     key: tuple[Any, ...] | None = (kernel, n, _aliases(args), *[_arg_key(a) for a in args])
@@ -148,12 +155,13 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         config = config_for(kernel.name, n, device, dtype)
         # Bound on detached views: Helion traces sizes back to a source, and a leaf's ``.grad`` of the same shape can
         # be the one it finds (hl.specialize then rejects it as not an input's size).
-        bound = kernel.bind(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-        per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
-        fn = per_bound.get(config)
-        if fn is None:
-            fn = bound.compile_config(_fit(config, bound.config_spec.default_config()), allow_print=False)
-            per_bound[config] = fn
+        with COMPILING:
+            bound = kernel.bind(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+            per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
+            fn = per_bound.get(config)
+            if fn is None:
+                fn = bound.compile_config(_fit(config, bound.config_spec.default_config()), allow_print=False)
+                per_bound[config] = fn
         if key is not None:
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()

@@ -106,8 +106,9 @@ def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Cal
         sizes = [q5.shape[2], q5.shape[1], k5.shape[2], k5.shape[1]]
         blocks = [1 if size == 1 else block for size, block in zip(sizes, config.block_sizes, strict=True)]
         config = helion.Config(**{**config.config, "block_sizes": blocks})
-        bound = _rope.bind(args)
-        fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
+        with _helion.COMPILING:
+            bound = _rope.bind(args)
+            fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
         _COMPILED[key] = fn
     return fn
 
