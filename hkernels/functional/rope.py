@@ -6,6 +6,7 @@ reference math and the torch backend. Kernels: ``hkernels/ops/rope.py`` (Helion)
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,18 +28,29 @@ from hkernels.functional._base import (
 OP = "rope"
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Rotary position embedding in Hugging Face's rotate_half convention: ``x·cos + rotate_half(x)·sin``.
 
     q: [B, Hq, S, D], k: [B, Hk, S, D] (Hk may differ from Hq: GQA), one dtype, D even; any strides with unit
     stride along D (e.g. ``x.view(B, S, H, D).transpose(1, 2)``) are read in place. cos, sin: [S, D] or [B, S, D]
     (any float dtype: float32 tables with bfloat16 q are fine). Returns (q_rot, k_rot), contiguous, in q's dtype.
     Differentiable in q and k (and in cos/sin, by PyTorch ops, when they require grad).
+
+    With ``position_ids`` [B, S] (or [S] / [1, S], shared by the batch), int32 or int64 on q's device, cos and sin
+    are tables [P, D] of P positions and token s of batch b takes row ``position_ids[b, s]``; positions may restart
+    inside a row (packed sequences). The positions are not checked on the host (a sync): a position outside
+    [0, P) reads no memory out of bounds and gives NaN for that token's q_rot and k_rot (and their gradients).
     """
-    return _CALLS(q, k, cos, sin)
+    if position_ids is None:
+        return _CALLS(q, k, cos, sin)
+    return _CALLS_AT(q, k, cos, sin, position_ids)
 
 
-def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
+_INT = (torch.int32, torch.int64)
+
+
+def _check_qk(q: Any, k: Any) -> tuple[int, int, int]:
+    """Checks q and k; returns (B, S, D)."""
     for name, t in (("q", q), ("k", k)):
         check_tensor(OP, name, t, (4,))
     check_same(OP, ("q", "k"), q, k, shape=False)
@@ -48,16 +60,47 @@ def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
                          "must agree on B, S and D")
     if D % 2:
         raise ValueError(f"hkernels.rope: the head dim D must be even (rotate_half splits it), got {D}")
+    return B, S, D
+
+
+def _check_device(name: str, t: Tensor, q: Tensor) -> None:
+    if t.device != q.device:
+        raise ValueError(f"hkernels.rope: {name} is on {t.device} but q is on {q.device}")
+
+
+def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
+    B, S, D = _check_qk(q, k)
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(OP, name, t, (2, 3))
         if t.shape[-2:] != (S, D) or (t.dim() == 3 and t.shape[0] not in (1, B)):
             raise ValueError(f"hkernels.rope: {name} must be [S, D] = [{S}, {D}] or [B, S, D] = [{B}, {S}, {D}], "
                              f"got {list(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"hkernels.rope: {name} is on {t.device} but q is on {q.device}")
+        _check_device(name, t, q)
     if _table(cos).shape != _table(sin).shape:
         raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
                          f"{list(sin.shape)}")
+
+
+def _check_at(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any) -> None:
+    B, S, D = _check_qk(q, k)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(OP, name, t)
+        if t.dim() != 2 or t.shape[1] != D:
+            raise ValueError(f"hkernels.rope: with position_ids, {name} must be a table [P, D] with D = {D} (a row "
+                             f"per position), got {list(t.shape)}")
+        _check_device(name, t, q)
+    if cos.shape != sin.shape:
+        raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INT:
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"hkernels.rope: position_ids must be an int32 or int64 tensor, got {got}")
+    if position_ids.shape not in ((S,), (1, S), (B, S)):
+        raise ValueError(f"hkernels.rope: position_ids must be [S] = [{S}] or [B, S] = [{B}, {S}] (or [1, S]) to "
+                         f"match q {list(q.shape)}, got {list(position_ids.shape)}")
+    _check_device("position_ids", position_ids, q)
+    if cos.shape[0] == 0 and position_ids.numel():
+        raise ValueError("hkernels.rope: cos and sin have no rows (P = 0) for position_ids to select")
 
 
 def _table(t: Tensor) -> Tensor:
@@ -65,8 +108,24 @@ def _table(t: Tensor) -> Tensor:
     return (t if t.dim() == 3 else t.unsqueeze(0)).contiguous()
 
 
+def _at(cos: Tensor, sin: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The tables' rows at the positions: [P, D] -> [..., S, D], a NaN row for a position outside [0, P) (clamped
+    for the gather, so nothing is read out of bounds; found without a host sync, so it cannot raise)."""
+    index = position_ids.clamp(0, cos.shape[0] - 1)
+    outside = (index != position_ids).unsqueeze(-1)
+    return cos[index].masked_fill(outside, math.nan), sin[index].masked_fill(outside, math.nan)
+
+
 def _body(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return call(_fwd, q, k, _table(cos), _table(sin), request)
+
+
+def _body_at(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+             position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    # The gathered rows [1 or B, S, D] are the tables the kernels take without positions: the same kernels, and the
+    # tables' gradients (when wanted) flow back through the gather by PyTorch's autograd.
+    c, s = _at(cos, sin, position_ids)
+    return call(_fwd, q, k, _table(c), _table(s), request)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -143,11 +202,15 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+              position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Rotary embedding, Hugging Face's rotate_half form: x·cos + rotate_half(x)·sin for x in (q, k).
 
-    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (broadcast over heads).
+    q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (broadcast over heads); with position_ids [S] or
+    [B, S], cos/sin [P, D] are tables read at those rows (NaN rows for positions outside [0, P)).
     """
+    if position_ids is not None:
+        cos, sin = _at(cos, sin, position_ids)
     ct = compute_dtype(q.dtype)
     c = cos.to(ct).unsqueeze(-3)  # [.., 1, S, D]: the same angle for every head
     s = sin.to(ct).unsqueeze(-3)
@@ -196,3 +259,4 @@ def _fast(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
 
 
 _CALLS = Public(OP, _check, _body, _fast)
+_CALLS_AT = Public(OP, _check_at, _body_at)  # calls with position_ids: a path of their own
