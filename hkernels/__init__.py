@@ -25,7 +25,9 @@ from hkernels.dispatch import (  # noqa: E402
 from hkernels.functional import references  # noqa: E402
 from hkernels.functional.add_rms_norm import add_rms_norm  # noqa: E402
 from hkernels.functional.attention import attention  # noqa: E402
+from hkernels.functional.attention_varlen import attention_varlen  # noqa: E402
 from hkernels.functional.cross_entropy import cross_entropy  # noqa: E402
+from hkernels.functional.decode_attention import decode_attention  # noqa: E402
 from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from hkernels.functional.geglu import geglu  # noqa: E402
 from hkernels.functional.grouped_matmul import grouped_matmul  # noqa: E402
@@ -45,8 +47,10 @@ __all__ = [
     "HKernelsFallbackWarning",
     "add_rms_norm",
     "attention",
+    "attention_varlen",
     "backends",
     "cross_entropy",
+    "decode_attention",
     "fused_linear_cross_entropy",
     "geglu",
     "grouped_matmul",

@@ -47,7 +47,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("grouped_matmul", "hkernels.ops.grouped_matmul", "triton_fallback.grouped_matmul",
        "hkernels.functional.grouped_matmul"),
     Op("moe", "hkernels.ops.moe", "triton_fallback.moe", "hkernels.functional.moe"),
+    Op("decode_attention", "hkernels.ops.decode_attention", "triton_fallback.decode_attention",
+       "hkernels.functional.decode_attention"),
     Op("attention", "hkernels.ops.attention", "triton_fallback.attention", "hkernels.functional.attention"),
+    # packed sequences: the attention kernels, launched per (sequence, block)
+    Op("attention_varlen", "hkernels.ops.attention", "triton_fallback.attention",
+       "hkernels.functional.attention_varlen"),
 )}
 
 # One import at a time, and torch._dynamo before Helion: a call on the custom-op path (torch.compile, modes,

@@ -3,16 +3,24 @@ docstring gives the math, the shapes and the work and traffic of both directions
 
 Specific to these kernels:
 - D in 16, 32, 64, 128. o comes out contiguous [B, Hq, S, D], lse [B, Hq, S] float32 (natural log); inside, each
-  exponential is one exp2 (log2 e folded into the scale).
-- Forward: causal blocks are split into those left of the diagonal (no mask) and the diagonal blocks (masked); a
-  non-causal Skv that is not a multiple of BLOCK_N gets one masked tail block; query blocks of a causal head run
-  longest first.
+  exponential is one exp2 (log2 e folded into the scale, or applied after the cap).
+- Masks (causal, a window) and packed sequences share one walk: a query block sees keys [lo, hi) of its sequence;
+  key blocks inside the window of every query of the block run without a mask, the blocks at the window's edges
+  (the diagonal, a partial last block) with one, so causal attention masks only its diagonal blocks and a window
+  of W keys reads about W + BLOCK_M of them per query block. Query blocks with a right bound (causal) run longest
+  first. A query that keeps no key (packed, more queries than keys) gets o = 0 and lse = −inf.
+- softcap: s' = c·tanh(scale·q·k / c), tanh from one exp2; the backward multiplies dS by 1 − tanh².
+- Packed sequences (``attention_varlen_*``): the [T, H, D] tensors are read as [1, H, T, D] views; a program per
+  (sequence, head, block) up to the longest sequence, those past their sequence's end return at once; the
+  sequence bounds are read on the device. Their blocks at a sequence's edge select the neighbour's rows away
+  (not multiplied by 0: a NaN there stays there), and they store by pointer (a TMA store clips only at the
+  tensor's end).
 - Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``); (2) a program per (kv block, kv
   head) holds its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of
-  its group; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise deterministic: the
-  default), or, as a launch option, by float32 atomics from the same walk into a zeroed [B, Hq, S, D] buffer (5
-  matmuls per tile; the summation order is not fixed, so dq may differ in the last bits from run to run; smaller
-  dk/dv tiles at D = 128). dk and dv are deterministic either way.
+  its group that see its keys; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise
+  deterministic: the default), or, as a launch option, by float32 atomics from the same walk into a zeroed
+  [B, Hq, S, D] buffer (5 matmuls per tile; the summation order is not fixed, so dq may differ in the last bits
+  from run to run; smaller dk/dv tiles at D = 128). dk and dv are deterministic either way.
 - Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
   when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
   their scores are finite, and masks or a lse of +inf keep them out of every stored result.
@@ -47,11 +55,15 @@ HEAD_DIMS = (16, 32, 64, 128)
 def _load_tile(
     t,  # [B, H, rows, D] tensor (TMA descriptor, or pointer with unit stride along D)
     b, h, row0, n_rows, stride_b, stride_h, stride_s,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, CLIP: tl.constexpr,
 ):
-    # Rows row0 .. row0+BLOCK of head (b, h) as [BLOCK, HEAD_DIM]; rows at or past n_rows read as zeros.
+    # Rows row0 .. row0+BLOCK of head (b, h) as [BLOCK, HEAD_DIM]; rows at or past n_rows read as zeros (TMA reads
+    # the next packed sequence's rows there: CLIP selects them away, so that no value of one sequence, NaN
+    # included, reaches another's sums).
     if TMA:
         tile = t.load([b, h, row0, 0]).reshape(BLOCK, HEAD_DIM)
+        if CLIP:
+            tile = tl.where((row0 + tl.arange(0, BLOCK) < n_rows)[:, None], tile, 0.0)
     else:
         base = t + tl.cast(b, tl.int64) * stride_b + tl.cast(h, tl.int64) * stride_h
         base += tl.cast(row0, tl.int64) * stride_s
@@ -67,7 +79,8 @@ def _store_tile(
     b, h, row0, n_rows, stride_b, stride_h, stride_s,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
 ):
-    # Rows at or past n_rows are dropped (TMA clips them at the tensor's bound).
+    # Rows at or past n_rows are dropped (TMA clips them at the tensor's bound only: packed sequences store by
+    # pointer).
     if TMA:
         t.store([b, h, row0, 0], value.reshape(1, 1, BLOCK, HEAD_DIM))
     else:
@@ -92,52 +105,117 @@ def _dot(a, b, acc, DOT: tl.constexpr):
     return out
 
 
-# ----------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _tanh(x):
+    # 1 − 2 / (e^{2x} + 1): exact limits at ±inf, one exp2; tl math only (the interpreter has no libdevice)
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @triton.jit
-def _query_block(pid, S, Hq, GROUP, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    # The program's query block: (batch·head, batch, query head, kv head, first row). Blocks of a head are
-    # neighbours in launch order (they share K/V in L2); causal ones run longest (last) first.
-    n_m = tl.cdiv(S, BLOCK_M)
-    bh = pid // n_m
-    pid_m = pid % n_m
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    h = bh % Hq
-    return bh, bh // Hq, h, h // GROUP, pid_m * BLOCK_M
+def _keep(rows, cols, Sk, off, left, right, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    # [len(rows), len(cols)]: key col < Sk is kept for query row when col ≥ row + off − left (LEFT) and
+    # col ≤ row + off + right (RIGHT); rows, cols are positions inside their sequence.
+    keep = (cols < Sk)[None, :]
+    if LEFT:
+        keep = keep & (cols[None, :] >= rows[:, None] + (off - left))
+    if RIGHT:
+        keep = keep & (cols[None, :] <= rows[:, None] + (off + right))
+    return keep
+
+
+@triton.jit
+def _blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr):
+    # Blocks of BLOCK on a grid from 0 covering [lo, hi): masked ones [a, u0) and [u1, hi), unmasked ones [u0, u1)
+    # (the whole blocks inside [flo, fhi), where every score is kept).
+    a = lo // BLOCK * BLOCK
+    u0 = tl.cdiv(flo, BLOCK) * BLOCK
+    u1 = tl.maximum(fhi, 0) // BLOCK * BLOCK
+    none = u1 <= u0
+    return a, tl.where(none, a, u0), tl.where(none, a, u1)
+
+
+@triton.jit
+def _key_blocks(m0, Sq, Sk, off, left, right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    # The key blocks queries m0 .. m0+BLOCK_M of a sequence see (see _blocks): keys lo .. hi in all, every one
+    # kept for every query of the block in flo .. fhi.
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = 0
+    flo = 0
+    hi = Sk
+    fhi = Sk
+    if LEFT:
+        lo = tl.maximum(m0 + off - left, 0)
+        flo = tl.maximum(m_last + off - left, 0)
+    if RIGHT:
+        hi = tl.maximum(tl.minimum(m_last + off + right + 1, Sk), 0)
+        fhi = tl.minimum(m0 + off + right + 1, Sk)
+    a, u0, u1 = _blocks(lo, hi, flo, fhi, BLOCK_N)
+    return a, u0, u1, hi
+
+
+@triton.jit
+def _span(cu, seq, T):
+    # (first row, length) of packed sequence seq, its bounds clamped to [0, T]
+    start = tl.minimum(tl.maximum(tl.load(cu + seq), 0), T)
+    end = tl.minimum(tl.maximum(tl.load(cu + seq + 1), start), T)
+    return start, end - start
+
+
+@triton.jit
+def _program(pid, n_blocks, H, S, Skv, cu_q, cu_k, REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+    # A program's (batch, head, block index, query rows' start and count, key rows' start and count): blocks of a
+    # head are neighbours in launch order (they share K/V, or q/do, in L2); REVERSE runs the last block first.
+    bh = pid // n_blocks
+    blk = pid % n_blocks
+    if REVERSE:
+        blk = n_blocks - 1 - blk
+    h = bh % H
+    if VARLEN:  # packed: [1, H, T, D] tensors, batch = sequence
+        q0, Sq = _span(cu_q, bh // H, S)
+        k0, Sk = _span(cu_k, bh // H, Skv)
+        b = 0
+    else:
+        q0 = 0
+        k0 = 0
+        Sq = S
+        Sk = Skv
+        b = bh // H
+    return b, h, blk, q0, Sq, k0, Sk
+
+
+# ----------------------------------------------------------------------------------------------- forward
 
 
 @triton.jit
 def _attention_fwd_inner(
     acc, l_i, m_i, q_tile, rows,  # running output [BLOCK_M, D] f32, row sum, row max (base 2), q tile, row ids
-    k, v, b, hk, lo, hi, Skv, qk_scale,
+    k, v, b, hk, k0, lo, hi, Sk, off, left, right, qk_scale, cap_in, cap_out,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, TMA: tl.constexpr,
-    DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SCALE_NONNEG: tl.constexpr, TMA: tl.constexpr, CLIP: tl.constexpr, DOT: tl.constexpr,
 ):
-    # Streams key blocks lo .. hi (reads each K and V row once). MASK: keep keys j < Skv (and j ≤ i if CAUSAL).
-    # A row is never fully masked in the first block it sees (its key 0, or key lo ≤ i on the diagonal, is in),
-    # so m_i is finite after the first block.
+    # Streams key blocks lo .. hi of the sequence whose keys start at row k0 (reads each K and V row once). MASK:
+    # keep the keys _keep keeps (else every key is in: no select per score). A row may keep no key of a masked
+    # block (a window): its max stays ∓inf and alpha's NaN guard holds it at l = 0 until a block has one.
     # m_i is the running max of the raw scores (the min for a negative scale), and p = exp2((s − m)·qk_scale):
     # a row's top score gets p = 1 exactly. The fused form exp2(s·qk_scale − m·qk_scale) gives it exp2 of the
     # product's rounding error, up to ±1% at scores ~1e5 (|q| ~ 1e5): the bf16 p of the p·v matmul then differs
     # from the float32 l it is divided by, o = v_top misses by an ulp, and the backward's p·(dp − δ), exactly 0
     # there, becomes an ulp of dp times |q| in dk (far above PyTorch's own error).
     for n0 in range(lo, hi, BLOCK_N):
-        k_tile = _load_tile(k, b, hk, n0, Skv, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA)
+        k_tile = _load_tile(k, b, hk, k0 + n0, k0 + Sk, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA,
+                            CLIP)
         s = _dot(q_tile, tl.trans(k_tile), None, DOT)
+        if SOFTCAP:
+            s = cap_out * _tanh(s * cap_in)
         if MASK:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = (cols < Skv)[None, :]
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None])
+            keep = _keep(rows, n0 + tl.arange(0, BLOCK_N), Sk, off, left, right, LEFT, RIGHT)
             if SCALE_NONNEG:
                 m_new = tl.maximum(m_i, tl.max(tl.where(keep, s, -float("inf")), 1))
             else:
                 m_new = tl.minimum(m_i, tl.min(tl.where(keep, s, float("inf")), 1))
-            # masked keys (zero rows past Skv score 0) may overflow exp2: selected away, never multiplied
+            # masked keys (zero rows past Sk score 0) may overflow exp2: selected away, never multiplied
             p = tl.where(keep, tl.math.exp2((s - m_new[:, None]) * qk_scale), 0.0)
         else:
             # full blocks: no select per score
@@ -146,11 +224,12 @@ def _attention_fwd_inner(
             else:
                 m_new = tl.minimum(m_i, tl.min(s, 1))
             p = tl.math.exp2((s - m_new[:, None]) * qk_scale)
-        # the first block: m_i = ∓inf, whose product with a zero scale is NaN; alpha then rescales zeros
+        # m_i = ∓inf (no key yet): its product with a zero scale, or ∓inf − ∓inf, is NaN; alpha then rescales zeros
         d = (m_i - m_new) * qk_scale
         alpha = tl.math.exp2(tl.where(d == d, d, -float("inf")))
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = _load_tile(v, b, hk, n0, Skv, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA)
+        v_tile = _load_tile(v, b, hk, k0 + n0, k0 + Sk, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA,
+                            CLIP)
         acc = _dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], DOT)
         m_i = m_new
     return acc, l_i, m_i
@@ -160,18 +239,25 @@ def _attention_fwd_inner(
 def _attention_fwd_kernel(
     q, k, v, o,  # q [B, Hq, S, D], k/v [B, Hk, Skv, D], o [B, Hq, S, D] out: descriptors or pointers
     lse_ptr,  # [B, Hq, S] float32 out, contiguous
+    cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds of the packed rows (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    Hq, GROUP, S, Skv, qk_scale,  # qk_scale = scale·log2(e)
+    Hq, GROUP, S, Skv, n_m, qk_scale, left, right, cap_in, cap_out,  # qk_scale = scale·log2(e), or log2(e) capped
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, SCALE_NONNEG: tl.constexpr, TMA: tl.constexpr, DOT: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SCALE_NONNEG: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    # One query block of one head: reads its q rows once and its head's K/V once (up to the diagonal when
-    # causal); writes its o rows and lse once. Query blocks of a head are neighbours in launch order (they
-    # share K/V in L2); causal ones run longest (last) first, so the short ones fill the tail of the launch.
-    bh, b, h, hk, m0 = _query_block(tl.program_id(0), S, Hq, GROUP, BLOCK_M, CAUSAL)
+    # One query block of one head: reads its q rows once and the K/V rows its queries can see once; writes its o
+    # rows and lse once. With a right bound (causal) the last query blocks, which see the most keys, run first so
+    # the short ones fill the tail of the launch.
+    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, cu_q, cu_k, RIGHT, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= Sq:  # packed: past this sequence's end
+        return
+    hk = h // GROUP
+    off = Sk - Sq  # masks align at the sequence's end
     rows = m0 + tl.arange(0, BLOCK_M)
-    q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
+    q_tile = _load_tile(q, b, h, q0 + m0, q0 + Sq, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA, False)
 
     if SCALE_NONNEG:  # the running max of the raw scores (the min for a negative scale)
         m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -179,36 +265,31 @@ def _attention_fwd_kernel(
         m_i = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        # Left of the diagonal (keys < m0; BLOCK_M is a multiple of BLOCK_N): every score is kept.
+    a, u0, u1, hi = _key_blocks(m0, Sq, Sk, off, left, right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
+    # masked blocks left of the interior (a window's left edge, so only with LEFT), the interior, masked blocks
+    # right of it (the diagonal, a window's right edge, a partial last block)
+    if LEFT:
         acc, l_i, m_i = _attention_fwd_inner(
-            acc, l_i, m_i, q_tile, rows, k, v, b, hk, 0, m0, Skv, qk_scale,
+            acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, a, u0, Sk, off, left, right, qk_scale, cap_in, cap_out,
             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, False, CAUSAL, SCALE_NONNEG, TMA, DOT,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, VARLEN, DOT,
         )
-        # The diagonal blocks: key j ≤ query i.
-        acc, l_i, m_i = _attention_fwd_inner(
-            acc, l_i, m_i, q_tile, rows, k, v, b, hk, m0, tl.minimum(m0 + BLOCK_M, Skv), Skv, qk_scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, CAUSAL, SCALE_NONNEG, TMA, DOT,
-        )
-    else:
-        n_full = (Skv // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attention_fwd_inner(
-            acc, l_i, m_i, q_tile, rows, k, v, b, hk, 0, n_full, Skv, qk_scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, False, CAUSAL, SCALE_NONNEG, TMA, DOT,
-        )
-        # The partial last key block, if any (0 or 1 iteration).
-        acc, l_i, m_i = _attention_fwd_inner(
-            acc, l_i, m_i, q_tile, rows, k, v, b, hk, n_full, Skv, Skv, qk_scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, CAUSAL, SCALE_NONNEG, TMA, DOT,
-        )
-    out = (acc / l_i[:, None]).to(q_tile.dtype)  # o has q's dtype
-    _store_tile(o, out, b, h, m0, S, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, TMA)
-    lse = (m_i * qk_scale + tl.math.log2(l_i)) * 0.6931471805599453  # back to the natural log
-    tl.store(lse_ptr + bh.to(tl.int64) * S + rows, lse, mask=rows < S)
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, u0, u1, Sk, off, left, right, qk_scale, cap_in, cap_out,
+        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, False, DOT,
+    )
+    acc, l_i, m_i = _attention_fwd_inner(
+        acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, u1, hi, Sk, off, left, right, qk_scale, cap_in, cap_out,
+        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, VARLEN, DOT,
+    )
+    # A query that keeps no key (packed, Sq > Sk): o = 0, lse = −inf. (l != 0, not l > 0: a NaN row stays NaN.)
+    seen = l_i != 0.0
+    out = (acc / tl.where(seen, l_i, 1.0)[:, None]).to(q_tile.dtype)  # o has q's dtype
+    _store_tile(o, out, b, h, q0 + m0, q0 + Sq, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, OUT_TMA)
+    lse = tl.where(seen, (m_i * qk_scale + tl.math.log2(l_i)) * 0.6931471805599453, -float("inf"))  # natural log
+    tl.store(lse_ptr + (b * Hq + h).to(tl.int64) * S + q0 + rows, lse, mask=rows < Sq)
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -229,8 +310,8 @@ def _attention_bwd_delta_kernel(
     m0 = (pid % n_m) * BLOCK_M
     b = bh // Hq
     h = bh % Hq
-    o_tile = _load_tile(o, b, h, m0, S, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, False)
-    do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, False)
+    o_tile = _load_tile(o, b, h, m0, S, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, False, False)
+    do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, False, False)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * scale
     rows = m0 + tl.arange(0, BLOCK_M)
     tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=rows < S)
@@ -240,47 +321,55 @@ def _attention_bwd_delta_kernel(
 def _attention_bwd_dkdv_inner(
     dk, dv, k_tile, v_tile,  # dk, dv [BLOCK_N, D] float32 accumulators; this program's K and V tiles
     q, do, lse_ptr, delta_ptr, dq_ptr,
-    b, hk, GROUP, Hq, n0, lo, n_steps, shift, S, Skv, qk_scale, scale,
+    b, hk, GROUP, Hq, n0, lo, n_steps, shift, q0, Sq, S, Sk, off, left, right, qk_scale, scale, cap_in, cap_out,
     stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
-    DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
+    CLIP: tl.constexpr, DOT: tl.constexpr,
 ):
-    # Walks n_steps query blocks from row lo, for each of the GROUP query heads of kv head hk, in one flat loop
-    # (one software pipeline, no nested loop state). Within a head the blocks start at `shift`, so that programs
-    # of one head start at different blocks and their dq atomics do not pile onto the same rows. Per block:
-    # reads q, do (BLOCK_M rows), lse, delta; adds to dk, dv; with DQ_ATOMIC adds ds·k to the float32 dq rows.
-    # Scores are computed transposed, sᵀ = k·qᵀ [BLOCK_N, BLOCK_M], so that dv += pᵀ·do and dk += dsᵀ·q need
-    # no transposition. MASK: keep keys j < Skv (and j ≤ i if CAUSAL); without it, keys past Skv (zero rows of
-    # k, v) still get finite p, whose dk, dv rows are never stored, and their zero k rows add 0 to dq.
+    # Walks n_steps query blocks from row lo of the sequence whose queries start at row q0, for each of the GROUP
+    # query heads of kv head hk, in one flat loop (one software pipeline, no nested loop state). Within a head the
+    # blocks start at `shift`, so that programs of one head start at different blocks and their dq atomics do not
+    # pile onto the same rows. Per block: reads q, do (BLOCK_M rows), lse, delta; adds to dk, dv; with DQ_ATOMIC
+    # adds ds·k to the float32 dq rows. Scores are computed transposed, sᵀ = k·qᵀ [BLOCK_N, BLOCK_M], so that
+    # dv += pᵀ·do and dk += dsᵀ·q need no transposition. MASK: keep the scores _keep keeps; without it, keys
+    # past Sk (zero rows of k, v, fixed-length only) still get finite p, whose dk, dv rows are never stored, and
+    # their zero k rows add 0 to dq.
     cols = n0 + tl.arange(0, BLOCK_N)
+    # (a loop of no steps still has its first addresses computed ahead by the software pipeline: never divide by 0)
+    steps = tl.maximum(n_steps, 1)
     for t in range(0, GROUP * n_steps):
-        g = t // n_steps
+        g = t // steps
         h = hk * GROUP + g
-        m0 = lo + ((t - g * n_steps + shift) % n_steps) * BLOCK_M
+        m0 = lo + ((t - g * steps + shift) % steps) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_off = (b * Hq + h).to(tl.int64) * S + rows  # into [B, Hq, S]
-        q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
-        # Rows past S: lse = +inf makes their p zero.
-        lse2 = tl.load(lse_ptr + row_off, mask=rows < S, other=float("inf")) * 1.4426950408889634
+        row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows  # into [B, Hq, S]
+        q_tile = _load_tile(q, b, h, q0 + m0, q0 + Sq, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA,
+                            CLIP)
+        # Rows past Sq: lse = +inf makes their p zero.
+        lse2 = tl.load(lse_ptr + row_off, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
         s_t = _dot(k_tile, tl.trans(q_tile), None, DOT)
+        if SOFTCAP:
+            tanh_t = _tanh(s_t * cap_in)
+            s_t = cap_out * tanh_t
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
-            keep = (cols < Skv)[:, None]
-            if CAUSAL:
-                keep = keep & (rows[None, :] >= cols[:, None])
-            p_t = tl.where(keep, p_t, 0.0)
-        do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA)
+            p_t = tl.where(tl.trans(_keep(rows, cols, Sk, off, left, right, LEFT, RIGHT)), p_t, 0.0)
+        do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
+                             CLIP)
         dv = _dot(p_t.to(do_tile.dtype), do_tile, dv, DOT)
-        delta = tl.load(delta_ptr + row_off, mask=rows < S, other=0.0)
+        delta = tl.load(delta_ptr + row_off, mask=rows < Sq, other=0.0)
         dp_t = _dot(v_tile, tl.trans(do_tile), None, DOT)
-        # ds prescaled by `scale` (delta already is): dk and dq need no scaling afterwards.
-        ds_t = (p_t * (dp_t * scale - delta[None, :])).to(q_tile.dtype)
+        # ds prescaled by `scale` (delta already is): dk and dq need no scaling afterwards
+        ds_t = p_t * (dp_t * scale - delta[None, :])
+        if SOFTCAP:  # through the cap: d(c·tanh(z/c))/dz = 1 − tanh²
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        ds_t = ds_t.to(q_tile.dtype)
         dk = _dot(ds_t, q_tile, dk, DOT)
         if DQ_ATOMIC:
             dq_part = _dot(tl.trans(ds_t), k_tile, None, DOT)
             ptrs = dq_ptr + row_off[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-            tl.atomic_add(ptrs, dq_part, mask=(rows < S)[:, None], sem="relaxed")
+            tl.atomic_add(ptrs, dq_part, mask=(rows < Sq)[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -289,91 +378,116 @@ def _attention_bwd_dkdv_kernel(
     q, k, v, do, dk_out, dv_out,  # q, do [B, Hq, S, D]; k, v, dk_out, dv_out [B, Hk, Skv, D]
     lse_ptr, delta_ptr,  # [B, Hq, S] float32: lse (natural log), scale · rowsum(do·o)
     dq_ptr,  # [B, Hq, S, D] float32, contiguous, zeroed (used only with DQ_ATOMIC)
+    cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_gb, stride_gh, stride_gs,  # g: dk_out and dv_out (same layout)
-    Hk, GROUP, S, Skv, qk_scale, scale,
+    Hk, GROUP, S, Skv, n_n, qk_scale, scale, left, right, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr, DOT: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr, DOT: tl.constexpr,
 ):
     # One key block of one kv head: reads its K/V rows once, the q/do rows of every query head of the group
     # that can see them, writes its dk, dv rows once. Key blocks of a head are neighbours in launch order (they
-    # share q/do in L2); causal ones (only query rows i ≥ key block start see them) run longest (first) first.
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(Skv, BLOCK_N)
-    bhk = pid // n_n
-    pid_n = pid % n_n
-    b = bhk // Hk
-    hk = bhk % Hk
+    # share q/do in L2); with a right bound (causal) the first blocks are seen by the most queries and run first.
+    b, hk, pid_n, q0, Sq, k0, Sk = _program(tl.program_id(0), n_n, Hk, S, Skv, cu_q, cu_k, False, VARLEN)
     n0 = pid_n * BLOCK_N
-    k_tile = _load_tile(k, b, hk, n0, Skv, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA)
-    v_tile = _load_tile(v, b, hk, n0, Skv, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA)
+    if n0 >= Sk:  # packed: past this sequence's end
+        return
+    k_tile = _load_tile(k, b, hk, k0 + n0, k0 + Sk, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA, False)
+    v_tile = _load_tile(v, b, hk, k0 + n0, k0 + Sk, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     Hq = Hk * GROUP
-    if CAUSAL:
-        # The diagonal query blocks (BLOCK_N is a multiple of BLOCK_M): key j ≤ query i, j < Skv.
-        n_diag = tl.cdiv(tl.minimum(n0 + BLOCK_N, S) - n0, BLOCK_M)
+    off = Sk - Sq
+    if WALK:
+        # The queries that see keys n0 .. n_last: lo .. hi; every key of the block is kept for queries flo .. fhi.
+        # A partial key block is masked throughout (a very negative lse could make the p of its missing keys
+        # overflow, and 0·inf reach dq; packed, its missing keys are the next sequence's).
+        n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
+        lo = 0
+        flo = 0
+        hi = Sq
+        fhi = Sq
+        if RIGHT:
+            lo = tl.maximum(n0 - off - right, 0)
+            flo = tl.maximum(n_last - off - right, 0)
+        if LEFT:
+            hi = tl.maximum(tl.minimum(n_last - off + left + 1, Sq), 0)
+            fhi = tl.minimum(n0 - off + left + 1, Sq)
+        if not VARLEN:
+            # fixed length: the partial last query block needs no mask (rows past S read zeros, lse +inf: p = 0)
+            fhi = tl.where(fhi == Sq, tl.cdiv(Sq, BLOCK_M) * BLOCK_M, fhi)
+        fhi = tl.where(n0 + BLOCK_N <= Sk, fhi, 0)
+        a, u0, u1 = _blocks(lo, hi, flo, fhi, BLOCK_M)
+        hi = tl.maximum(hi, u1)
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, n0, n_diag, 0, S, Skv, qk_scale, scale,
-            stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
+            b, hk, GROUP, Hq, n0, a, (u0 - a) // BLOCK_M, 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+            cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, VARLEN, DOT,
         )
-        # Below the diagonal every score is kept (a key block reaching past Skv = S has nothing below).
-        lo = n0 + BLOCK_N
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, lo, tl.cdiv(tl.maximum(S - lo, 0), BLOCK_M), 0, S, Skv, qk_scale, scale,
-            stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, DQ_ATOMIC, TMA, DOT,
+            b, hk, GROUP, Hq, n0, u0, (u1 - u0) // BLOCK_M, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+            cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+        )
+        dk, dv = _attention_bwd_dkdv_inner(
+            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            b, hk, GROUP, Hq, n0, u1, tl.cdiv(hi - u1, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+            cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, VARLEN, DOT,
         )
     else:
-        n_m = tl.cdiv(S, BLOCK_M)
-        if n0 + BLOCK_N <= Skv:
+        # No mask: every query sees the block; a partial key block is masked (a very negative lse could make the
+        # p of its missing keys overflow, and 0·inf reach dq)
+        n_m = tl.cdiv(Sq, BLOCK_M)
+        if n0 + BLOCK_N <= Sk:
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
-                stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, DQ_ATOMIC, TMA, DOT,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+                cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+                BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
             )
         else:
-            # The partial last key block: keys past Skv are masked, so that a very negative lse cannot make
-            # their p overflow (and 0·inf reach dq).
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, S, Skv, qk_scale, scale,
-                stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, DQ_ATOMIC, TMA, DOT,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+                cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
             )
-    _store_tile(dk_out, dk.to(k_tile.dtype), b, hk, n0, Skv, stride_gb, stride_gh, stride_gs,
-                BLOCK_N, HEAD_DIM, TMA)
-    _store_tile(dv_out, dv.to(v_tile.dtype), b, hk, n0, Skv, stride_gb, stride_gh, stride_gs,
-                BLOCK_N, HEAD_DIM, TMA)
+    _store_tile(dk_out, dk.to(k_tile.dtype), b, hk, k0 + n0, k0 + Sk, stride_gb, stride_gh, stride_gs,
+                BLOCK_N, HEAD_DIM, OUT_TMA)
+    _store_tile(dv_out, dv.to(v_tile.dtype), b, hk, k0 + n0, k0 + Sk, stride_gb, stride_gh, stride_gs,
+                BLOCK_N, HEAD_DIM, OUT_TMA)
 
 
 @triton.jit
 def _attention_bwd_dq_inner(
     dq, q_tile, do_tile, lse2, delta, rows,  # dq [BLOCK_M, D] f32 accumulator; this block's q, do, lse·log2(e)
-    k, v, b, hk, lo, hi, Skv, qk_scale, scale,
+    k, v, b, hk, k0, lo, hi, Sk, off, left, right, qk_scale, scale, cap_in, cap_out,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    TMA: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, TMA: tl.constexpr, CLIP: tl.constexpr, DOT: tl.constexpr,
 ):
-    # Streams key blocks lo .. hi (reads each K and V row once); MASK: keep keys j < Skv (and j ≤ i if CAUSAL).
+    # Streams key blocks lo .. hi (reads each K and V row once); MASK: keep the scores _keep keeps.
     for n0 in range(lo, hi, BLOCK_N):
-        k_tile = _load_tile(k, b, hk, n0, Skv, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA)
-        v_tile = _load_tile(v, b, hk, n0, Skv, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA)
+        k_tile = _load_tile(k, b, hk, k0 + n0, k0 + Sk, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM, TMA,
+                            CLIP)
+        v_tile = _load_tile(v, b, hk, k0 + n0, k0 + Sk, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM, TMA,
+                            CLIP)
         s = _dot(q_tile, tl.trans(k_tile), None, DOT)
+        if SOFTCAP:
+            tanh_s = _tanh(s * cap_in)
+            s = cap_out * tanh_s
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASK:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            keep = (cols < Skv)[None, :]
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None])
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(_keep(rows, n0 + tl.arange(0, BLOCK_N), Sk, off, left, right, LEFT, RIGHT), p, 0.0)
         dp = _dot(do_tile, tl.trans(v_tile), None, DOT)
-        ds = (p * (dp * scale - delta[:, None])).to(k_tile.dtype)
-        dq = _dot(ds, k_tile, dq, DOT)
+        ds = p * (dp * scale - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        dq = _dot(ds.to(k_tile.dtype), k_tile, dq, DOT)
     return dq
 
 
@@ -381,46 +495,49 @@ def _attention_bwd_dq_inner(
 def _attention_bwd_dq_kernel(
     q, k, v, do, dq_out,  # q, do, dq_out [B, Hq, S, D]; k, v [B, Hk, Skv, D]
     lse_ptr, delta_ptr,  # [B, Hq, S] float32
+    cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_gb, stride_gh, stride_gs,  # g: dq_out
-    Hq, GROUP, S, Skv, qk_scale, scale,
+    Hq, GROUP, S, Skv, n_m, qk_scale, scale, left, right, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr, DOT: tl.constexpr,
+    LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
-    # One query block of one head (the deterministic dq): reads its q, do rows once and its head's K/V once
-    # (up to the diagonal when causal), writes its dq rows once. Launch order as in the forward.
-    bh, b, h, hk, m0 = _query_block(tl.program_id(0), S, Hq, GROUP, BLOCK_M, CAUSAL)
+    # One query block of one head (the deterministic dq): reads its q, do rows once and the K/V rows its queries
+    # see once, writes its dq rows once. Blocks as in the forward.
+    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, cu_q, cu_k, RIGHT, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= Sq:
+        return
+    hk = h // GROUP
+    off = Sk - Sq
     rows = m0 + tl.arange(0, BLOCK_M)
-    q_tile = _load_tile(q, b, h, m0, S, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA)
-    do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA)
-    lse2 = tl.load(lse_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * S + rows, mask=rows < S, other=0.0)
+    q_tile = _load_tile(q, b, h, q0 + m0, q0 + Sq, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA, False)
+    do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
+                         False)
+    row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows
+    lse2 = tl.load(lse_ptr + row_off, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_off, mask=rows < Sq, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
+    a, u0, u1, hi = _key_blocks(m0, Sq, Sk, off, left, right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
+    if LEFT:  # masked blocks at a window's left edge
         dq = _attention_bwd_dq_inner(
-            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, 0, m0, Skv, qk_scale, scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, False, CAUSAL, TMA, DOT,
+            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, a, u0, Sk, off, left, right, qk_scale, scale,
+            cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, VARLEN, DOT,
         )
-        dq = _attention_bwd_dq_inner(
-            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, m0, tl.minimum(m0 + BLOCK_M, Skv), Skv,
-            qk_scale, scale, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, CAUSAL, TMA, DOT,
-        )
-    else:
-        n_full = (Skv // BLOCK_N) * BLOCK_N
-        dq = _attention_bwd_dq_inner(
-            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, 0, n_full, Skv, qk_scale, scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, False, CAUSAL, TMA, DOT,
-        )
-        dq = _attention_bwd_dq_inner(
-            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, n_full, Skv, Skv, qk_scale, scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, CAUSAL, TMA, DOT,
-        )
-    _store_tile(dq_out, dq.to(q_tile.dtype), b, h, m0, S, stride_gb, stride_gh, stride_gs,
-                BLOCK_M, HEAD_DIM, TMA)
+    dq = _attention_bwd_dq_inner(
+        dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, u0, u1, Sk, off, left, right, qk_scale, scale,
+        cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, TMA, False, DOT,
+    )
+    dq = _attention_bwd_dq_inner(
+        dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, u1, hi, Sk, off, left, right, qk_scale, scale,
+        cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, VARLEN, DOT,
+    )
+    _store_tile(dq_out, dq.to(q_tile.dtype), b, h, q0 + m0, q0 + Sq, stride_gb, stride_gh, stride_gs,
+                BLOCK_M, HEAD_DIM, OUT_TMA)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -483,6 +600,8 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
     return AttentionSettings(128, 64, 8 if wide else 4, 3)
 
 
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"attention: q [B, Hq, S, D], k and v [B, Hk, Skv, D]; got {tuple(q.shape)}, "
@@ -500,8 +619,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("attention: q, k, v need unit stride along D")
     return B, Hq, Hk, S, Skv, D
-
-
 def _tma_ok(*tensors: Tensor) -> bool:
     """TMA descriptors (Hopper and later, or the interpreter) need 16-byte aligned bases and strides; a stride of
     0 (an expanded gradient) goes through pointers. Dims of size 1 are never stepped: their stride is free."""
@@ -536,36 +653,127 @@ def _dot_mode(dtype: torch.dtype) -> str:
     return "upcast" if dtype == torch.bfloat16 and interpreting() else "native"
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """q [B, Hq, S, D], k/v [B, Hk, Skv, D] (unit stride along D) -> (o [B, Hq, S, D] contiguous in q's dtype,
-    lse [B, Hq, S] float32: natural logsumexp of scale·q·kᵀ per query row, after the causal mask)."""
-    B, Hq, Hk, S, Skv, D = _check(q, k, v, causal)
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """The kernels' mask and score options (see the functional module): launch arguments and constexprs."""
+
+    left: int  # keys a query sees before it (LEFT), else 0
+    right: int  # keys a query sees after it (RIGHT; 0 when causal), else 0
+    LEFT: bool
+    RIGHT: bool
+    SOFTCAP: bool
+    qk_scale: float  # scores' factor inside exp2: scale·log2 e, or log2 e after the cap
+    cap_in: float  # cap: s' = cap_out·tanh(cap_in·q·k)
+    cap_out: float
+    nonneg: bool  # the scores' factor is ≥ 0 (the forward tracks a running max, else a min)
+
+
+def _mask(causal: bool, scale: float, left: int, right: int, softcap: float) -> _Mask:
+    right = 0 if causal else right
+    if softcap:
+        return _Mask(max(left, 0), max(right, 0), left >= 0, right >= 0, True, LOG2E, scale / softcap, softcap, True)
+    return _Mask(max(left, 0), max(right, 0), left >= 0, right >= 0, False, scale * LOG2E, 1.0, 1.0, scale >= 0)
+
+
+def _packed(t: Tensor) -> Tensor:
+    """A packed [T, H, D] as the [1, H, T, D] view the kernels read (batch 0, the sequences' rows along T)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, m: _Mask, rows_q: int,
+         cu: tuple[Tensor, Tensor] | None) -> None:
+    """Launch the forward over q [B, Hq, S, D] (or packed [1, Hq, Tq, D] with ``cu`` = (cu_q, cu_k) and
+    ``rows_q`` the longest sequence) into o and lse [B, Hq, S]."""
+    B, Hq, S, D = q.shape
+    Hk, Skv = k.shape[1], k.shape[2]
+    tma = _tma_ok(q, k, v, o)
+    s = attention_settings(D, q.dtype, m.RIGHT, "fwd", tma)
+    tma = tma and s.tma
+    n_m = cdiv(rows_q, s.block_m)
+    n_seq = B if cu is None else cu[0].shape[0] - 1
+    cu_q, cu_k = cu if cu is not None else (lse, lse)  # (unread without VARLEN)
+    launch(_attention_fwd_kernel, (n_seq * Hq * n_m,),
+        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma),
+        _arg(o, s.block_m, tma and cu is None), lse, cu_q, cu_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        Hq, Hq // Hk, S, Skv, n_m, m.qk_scale, m.left, m.right, m.cap_in, m.cap_out,
+        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
+        SCALE_NONNEG=m.nonneg, TMA=tma, OUT_TMA=tma and cu is None, VARLEN=cu is not None,
+        DOT=_dot_mode(q.dtype), num_warps=s.num_warps, num_stages=s.num_stages,
+    )
+
+
+def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+         scale: float, m: _Mask, rows_q: int, rows_k: int, cu: tuple[Tensor, Tensor] | None) -> None:
+    """Launch the backward (delta, dk/dv, dq) over [B, H, S, D] tensors (or packed [1, H, T, D] with ``cu`` and the
+    longest sequences rows_q, rows_k) into dq, dk, dv."""
+    B, Hq, S, D = q.shape
+    Hk, Skv = k.shape[1], k.shape[2]
+    varlen = cu is not None
+    n_seq = B if cu is None else cu[0].shape[0] - 1
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    cu_q, cu_k = cu if cu is not None else (delta, delta)  # (unread without VARLEN)
+    block = 64 if interpreting() else 128
+    launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
+        HEAD_DIM=D, BLOCK_M=block, num_warps=4,
+    )
+    dot = _dot_mode(q.dtype)
+    s = attention_settings(D, q.dtype, m.RIGHT, "dkdv")
+    tma = s.tma and _tma_ok(q, k, v, do, dk, dv)
+    dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else delta
+    n_n = cdiv(rows_k, s.block_n)
+    launch(_attention_bwd_dkdv_kernel, (n_seq * Hk * n_n,),
+        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
+        _arg(dk, s.block_n, tma and not varlen), _arg(dv, s.block_n, tma and not varlen), lse, delta, dq32,
+        cu_q, cu_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
+        Hk, Hq // Hk, S, Skv, n_n, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
+        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
+        DQ_ATOMIC=s.dq_atomic, TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
+        WALK=m.LEFT or m.RIGHT or varlen, DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
+    )
+    if s.dq_atomic:
+        dq.copy_(dq32)
+        return
+    s = attention_settings(D, q.dtype, m.RIGHT, "dq")
+    tma = s.tma and _tma_ok(q, k, v, do, dq)
+    n_m = cdiv(rows_q, s.block_m)
+    launch(_attention_bwd_dq_kernel, (n_seq * Hq * n_m,),
+        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
+        _arg(dq, s.block_m, tma and not varlen), lse, delta, cu_q, cu_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        Hq, Hq // Hk, S, Skv, n_m, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
+        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
+        TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
+        DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
+    )
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, S, D], k/v [B, Hk, Skv, D] (unit stride along D; S == Skv with causal or a window) -> (o [B, Hq,
+    S, D] contiguous in q's dtype, lse [B, Hq, S] float32: natural logsumexp of each query's kept scores)."""
+    B, Hq, _, S, Skv, D = _check(q, k, v, causal or left >= 0 or right >= 0)
     o = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
     if Skv == 0:
         return o.zero_(), lse.fill_(-float("inf"))  # no keys: zeros, as torch's SDPA
-    tma = _tma_ok(q, k, v, o)
-    s = attention_settings(D, q.dtype, causal, "fwd", tma)
-    tma = tma and s.tma
-    grid = (B * Hq * cdiv(S, s.block_m),)
-    launch(_attention_fwd_kernel, grid,
-        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(o, s.block_m, tma), lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        Hq, Hq // Hk, S, Skv, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, CAUSAL=causal, SCALE_NONNEG=scale >= 0, TMA=tma,
-        DOT=_dot_mode(q.dtype), num_warps=s.num_warps, num_stages=s.num_stages,
-    )
+    _fwd(q, k, v, o, lse, _mask(causal, scale, left, right, softcap), S, None)
     return o, lse
 
 
 def attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
+    left: int = -1, right: int = -1, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """do, o [B, Hq, S, D]; q, k, v as in ``attention_fwd``; lse [B, Hq, S] float32 from it -> (dq, dk, dv), each
     contiguous in its input's dtype and shape (dk, dv summed over the query heads of each kv head's group)."""
-    B, Hq, Hk, S, Skv, D = _check(q, k, v, causal)
+    B, Hq, Hk, S, Skv, D = _check(q, k, v, causal or left >= 0 or right >= 0)
     if do.stride(-1) != 1:
         do = do.contiguous()
     if o.stride(-1) != 1:
@@ -575,36 +783,45 @@ def attention_bwd(
     dv = torch.empty((B, Hk, Skv, D), dtype=v.dtype, device=v.device)
     if q.numel() == 0 or Skv == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format), dk.zero_(), dv.zero_()
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    block = 64 if interpreting() else 128
-    launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
-        HEAD_DIM=D, BLOCK_M=block, num_warps=4,
-    )
-    qk_scale = scale * LOG2E
-    dot = _dot_mode(q.dtype)
-    s = attention_settings(D, q.dtype, causal, "dkdv")
-    tma = s.tma and _tma_ok(q, k, v, do, dk, dv)
-    dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else delta
-    launch(_attention_bwd_dkdv_kernel, (B * Hk * cdiv(Skv, s.block_n),),
-        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
-        _arg(dk, s.block_n, tma), _arg(dv, s.block_n, tma), lse, delta, dq32,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
-        Hk, Hq // Hk, S, Skv, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, CAUSAL=causal, DQ_ATOMIC=s.dq_atomic, TMA=tma,
-        DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
-    )
-    if s.dq_atomic:
-        return dq32.to(q.dtype), dk, dv
     dq = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
-    s = attention_settings(D, q.dtype, causal, "dq")
-    tma = s.tma and _tma_ok(q, k, v, do, dq)
-    launch(_attention_bwd_dq_kernel, (B * Hq * cdiv(S, s.block_m),),
-        _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
-        _arg(dq, s.block_m, tma), lse, delta,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        Hq, Hq // Hk, S, Skv, qk_scale, scale,
-        HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, CAUSAL=causal, TMA=tma,
-        DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
-    )
+    _bwd(do, q, k, v, o, lse, dq, dk, dv, scale, _mask(causal, scale, left, right, softcap), S, Skv, None)
+    return dq, dk, dv
+
+
+def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention_varlen: q [Tq, Hq, D], k and v [Tk, Hk, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _check(_packed(q), _packed(k), _packed(v), False)
+
+
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                         causal: bool, scale: float, left: int = -1, right: int = -1, softcap: float = 0.0
+                         ) -> tuple[Tensor, Tensor]:
+    """Packed q [Tq, Hq, D], k/v [Tk, Hk, D], int32 cu_q, cu_k [N + 1] on the device, max_q / max_k at least the
+    longest sequence (it sizes the grid) -> (o [Tq, Hq, D] contiguous in q's dtype, lse [Hq, Tq] float32; rows of
+    no sequence and queries that keep no key: o = 0, lse = −inf)."""
+    _check_packed(q, k, v)
+    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of no sequence stay 0
+    lse = torch.full((q.shape[1], q.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.shape[0] == 0 or max_q == 0 or cu_q.shape[0] < 2:
+        return o, lse
+    _fwd(_packed(q), _packed(k), _packed(v), _packed(o), lse.unsqueeze(0),
+         _mask(causal, scale, left, right, softcap), max_q, (cu_q, cu_k))
+    return o, lse
+
+
+def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_q: Tensor,
+                         cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, left: int = -1,
+                         right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """do, o [Tq, Hq, D]; the rest as in ``attention_varlen_fwd``; lse [Hq, Tq] from it -> (dq, dk, dv) contiguous
+    in q's, k's, v's shapes and dtypes (zeros for rows of no sequence)."""
+    _check_packed(q, k, v)
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    o = o if o.stride(-1) == 1 else o.contiguous()
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if q.numel() == 0 or k.shape[0] == 0 or max_q == 0 or max_k == 0 or cu_q.shape[0] < 2:
+        return dq, dk, dv
+    _bwd(_packed(do), _packed(q), _packed(k), _packed(v), _packed(o), lse.contiguous().unsqueeze(0), _packed(dq),
+         _packed(dk), _packed(dv), scale, _mask(causal, scale, left, right, softcap), max_q, max_k, (cu_q, cu_k))
     return dq, dk, dv

@@ -1,8 +1,14 @@
-"""attention: scaled dot-product attention, flash algorithm, ``softmax(scale · q kᵀ [causal mask]) v``.
+"""attention: scaled dot-product attention, flash algorithm, ``softmax(cap(scale · q kᵀ) [mask]) v``.
 
 The public function and its checks, its autograd (custom ops ``hkernels::attention_fwd`` / ``_bwd``), then the
 reference math and the torch backend. Kernels: ``hkernels/ops/attention.py`` (Helion),
-``triton_fallback/attention.py``.
+``triton_fallback/attention.py``. Packed sequences (``attention_varlen``) share those kernels and these masks:
+``hkernels/functional/attention_varlen.py``.
+
+The mask, for query i and key j of one sequence of Sq queries and Sk keys, aligned at the sequence's end
+(``off = Sk − Sq``; 0 for self-attention): key j is kept when ``j ≤ i + off`` (causal), ``j ≥ i + off − left`` and
+``j ≤ i + off + right`` (a window; unbounded sides are not checked). ``cap(s) = c·tanh(s / c)`` with softcap c.
+A query that keeps no key gets o = 0 and lse = −inf.
 """
 
 from __future__ import annotations
@@ -18,20 +24,53 @@ OP = "attention"
 HEAD_DIMS = (16, 32, 64, 128)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
-    """Scaled dot-product attention, flash algorithm: ``softmax(scale · q kᵀ [causal mask]) v``.
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+              window: tuple[int | None, int | None] | None = None, softcap: float | None = None) -> Tensor:
+    """Scaled dot-product attention, flash algorithm: ``softmax(cap(scale · q kᵀ) [mask]) v``.
 
     q: [B, Hq, S, D]; k, v: [B, Hk, Skv, D] with Hq a multiple of Hk (grouped-query attention); D in 16, 32, 64,
     128; one dtype (bfloat16/float16; float32 too); any strides with unit stride along D (transposed views of
-    [B, S, H, D] projections are read in place). ``scale`` defaults to D^-0.5. ``causal`` masks key j > query i
-    and needs S == Skv (with different lengths, whether the mask aligns top-left or bottom-right is ambiguous:
-    build the mask yourself). Returns [B, Hq, S, D] in q's dtype. Differentiable in q, k, v; the backward never
-    materialises the S × Skv matrix.
+    [B, S, H, D] projections are read in place). ``scale`` defaults to D^-0.5. ``causal`` masks key j > query i.
+    ``window=(left, right)``: query i sees keys i − left .. i + right (None or −1: unbounded on that side; with
+    ``causal`` right is 0), Mistral's and Gemma's sliding window being ``(W − 1, 0)`` with causal. ``softcap`` c > 0
+    replaces each score s by ``c·tanh(s / c)`` before the softmax (Gemma 2). causal and window need S == Skv (with
+    different lengths the mask's alignment is ambiguous; :func:`attention_varlen` aligns it at the end). Returns
+    [B, Hq, S, D] in q's dtype. Differentiable in q, k, v; the backward never materialises the S × Skv matrix.
     """
-    return _CALLS(q, k, v, causal, scale)
+    return _CALLS(q, k, v, causal, scale, window, softcap)
 
 
-def _check(q: Any, k: Any, v: Any, causal: Any, scale: Any) -> None:
+def window_bounds(op: str, window: Any, causal: bool) -> tuple[int, int]:
+    """``window`` -> (left, right) with −1 for an unbounded side (and right = 0 when causal); raises on bad ones."""
+    if window is None:
+        return -1, 0 if causal else -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"hkernels.{op}: window must be (left, right) or None, got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window, strict=True):
+        if w is None:
+            w = -1
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"hkernels.{op}: window's {name} must be an int, None or -1 (unbounded), got {w!r}")
+        if w < -1:
+            raise ValueError(f"hkernels.{op}: window's {name} must be >= 0, or None / -1 (unbounded), got {w}")
+        sides.append(w)
+    left, right = sides
+    return left, 0 if causal else right
+
+
+def softcap_value(op: str, softcap: Any) -> float:
+    """``softcap`` -> the cap c > 0, or 0.0 for none (None or 0); raises on bad ones."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"hkernels.{op}: softcap must be a float or None, got {type(softcap).__name__}")
+    if not (softcap >= 0 and softcap < float("inf")):
+        raise ValueError(f"hkernels.{op}: softcap must be a finite float > 0 (or None), got {softcap}")
+    return float(softcap)
+
+
+def _check(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(OP, name, t, (4,))
     check_same(OP, ("q", "k", "v"), q, k, v, shape=False)
@@ -47,16 +86,21 @@ def _check(q: Any, k: Any, v: Any, causal: Any, scale: Any) -> None:
                          f"({k.shape[1]})")
     if D not in HEAD_DIMS:
         raise ValueError(f"hkernels.attention: head dim D must be one of {HEAD_DIMS}, got {D}")
-    if causal and k.shape[2] != S:
-        raise ValueError(f"hkernels.attention: causal=True needs as many queries as keys (S = {S}, Skv = "
-                         f"{k.shape[2]}): with different lengths the mask's alignment is ambiguous")
+    left, right = window_bounds(OP, window, bool(causal))
+    if (causal or left >= 0 or right >= 0) and k.shape[2] != S:
+        raise ValueError(f"hkernels.attention: causal=True or a window needs as many queries as keys (S = {S}, "
+                         f"Skv = {k.shape[2]}): with different lengths the mask's alignment is ambiguous "
+                         "(hkernels.attention_varlen aligns it at the end)")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         raise TypeError(f"hkernels.attention: scale must be a float or None, got {type(scale).__name__}")
+    softcap_value(OP, softcap)
 
 
-def _body(request: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> Tensor:
+def _body(request: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, window: Any,
+          softcap: Any) -> Tensor:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = call(_fwd, q, k, v, bool(causal), scale, request)
+    left, right = window_bounds(OP, window, bool(causal))
+    o, _ = call(_fwd, q, k, v, bool(causal), scale, left, right, softcap_value(OP, softcap), request)
     return o
 
 
@@ -68,46 +112,49 @@ def _d_unit(t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("hkernels::attention_fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int, right: int, softcap: float,
+         backend: str) -> tuple[Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0:
         backend = "torch"
-    return dispatch.run(OP, "attention_fwd", backend, _d_unit(q), _d_unit(k), _d_unit(v), causal, scale)
+    return dispatch.run(OP, "attention_fwd", backend, _d_unit(q), _d_unit(k), _d_unit(v), causal, scale, left,
+                        right, softcap)
 
 
 @_fwd.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int, right: int, softcap: float,
+      backend: str) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("hkernels::attention_bwd", mutates_args=())
 def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
-         backend: str) -> tuple[Tensor, Tensor, Tensor]:
+         left: int, right: int, softcap: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0:
         backend = "torch"
     return dispatch.run(OP, "attention_bwd", backend, _d_unit(do), _d_unit(q), _d_unit(k), _d_unit(v), o, lse,
-                        causal, scale)
+                        causal, scale, left, right, softcap)
 
 
 @_bwd.register_fake
 def _(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
-      backend: str) -> tuple[Tensor, Tensor, Tensor]:
+      left: int, right: int, softcap: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, causal, scale, backend = inputs
+    q, k, v, *options, backend = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.options, ctx.backend = options, backend
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, do: Tensor | None, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     if do is None:
-        return (None,) * 6
+        return (None,) * 9
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = call(_bwd, do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = call(_bwd, do, q, k, v, o, lse, *ctx.options, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -116,54 +163,77 @@ autograd(_fwd, _backward, _setup)
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
-def reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
-    """softmax(scale · q kᵀ, causal mask) v, with GQA: q [B, Hq, S, D], k/v [B, Hk, Skv, D], Hq a multiple of Hk."""
-    ct = compute_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
-    kf = k.to(ct).repeat_interleave(group, dim=1)
-    vf = v.to(ct).repeat_interleave(group, dim=1)
+def mask(sq: int, sk: int, causal: bool, left: int, right: int, device: torch.device) -> Tensor | None:
+    """[sq, sk] bool, True where query i keeps key j (aligned at the end: off = sk − sq), or None for no mask."""
+    right = 0 if causal else right
+    if left < 0 and right < 0:
+        return None
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def scores(q: Tensor, k: Tensor, scale: float, softcap: float, keep: Tensor | None) -> Tensor:
+    """cap(scale · q kᵀ) with masked scores at −inf, in q's (compute) dtype; k has q's heads."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """lse with 0 for a query that keeps no key (−inf): its scores are all −inf, so p = exp(s − 0) = 0 and o = 0,
+    where exp(s − lse) would be NaN (and so would every gradient it reaches)."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+              window: tuple[int | None, int | None] | None = None, softcap: float | None = None) -> Tensor:
+    """softmax(cap(scale · q kᵀ), mask) v, with GQA: q [B, Hq, S, D], k/v [B, Hk, Skv, D], Hq a multiple of Hk; a
+    query that keeps no key gets 0."""
+    left, right = window_bounds(OP, window, bool(causal))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
-    if causal:
-        s, skv = q.shape[2], k.shape[2]
-        mask = torch.ones(s, skv, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vf).to(q.dtype)
+    o, _ = attention_fwd(q, k, v, bool(causal), scale, left, right, softcap_value(OP, softcap))
+    return o
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """-> (o [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32: logsumexp of the scaled, masked scores)."""
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """-> (o [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32: logsumexp of the capped, scaled, masked scores;
+    −inf and o = 0 for a query that keeps no key)."""
     ct = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     kf = k.to(ct).repeat_interleave(group, dim=1)
     vf = v.to(ct).repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    o = torch.matmul(torch.exp(scores - lse[..., None]), vf)
+    s = scores(q.to(ct), kf, scale, softcap, mask(q.shape[2], k.shape[2], causal, left, right, q.device))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.exp(s - _finite(lse)[..., None]), vf)
     return o.to(q.dtype), lse.float()
 
 
-def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """P = exp(S − lse);  dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  dQ = scale·dS K;  dK = scale·dSᵀ Q
-    (dK, dV summed over each group's query heads)."""
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
+                  left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """P = exp(S − lse);  dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  with a cap S = c·tanh(Z / c),
+    Z = scale · Q Kᵀ: dZ = dS ∘ (1 − (S / c)²), else dZ = dS;  dQ = scale·dZ K;  dK = scale·dZᵀ Q  (dK, dV summed
+    over each group's query heads)."""
     ct = compute_dtype(q.dtype)
     B, Hq, S, _ = q.shape
     Hk = k.shape[1]
     group = Hq // Hk
     qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(group, 1), v.to(ct).repeat_interleave(group, 1)
     dof, of = do.to(ct), o.to(ct)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(S, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.exp(scores - lse.to(ct)[..., None])
+    s = scores(qf, kf, scale, softcap, mask(S, k.shape[2], causal, left, right, q.device))
+    p = torch.exp(s - _finite(lse.to(ct))[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dof)
     dp = torch.matmul(dof, vf.transpose(-1, -2))
     ds = p * (dp - (dof * of).sum(-1, keepdim=True))
+    if softcap:
+        ds = ds * (1 - (s.nan_to_num(neginf=0.0) / softcap) ** 2)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     dk = dk.reshape(B, Hk, group, *dk.shape[2:]).sum(2)

@@ -1,0 +1,165 @@
+"""decode_attention: attention of a few new tokens over a KV cache of per-sequence lengths, forward only.
+
+The public function and its checks, its custom op ``hkernels::decode_attention_fwd`` (no autograd: inference),
+then the reference math and the torch backend. Kernels: ``hkernels/ops/decode_attention.py`` (Helion),
+``triton_fallback/decode_attention.py`` (split-K "flash decoding"; its docstring gives the work and traffic).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hkernels import dispatch
+from hkernels.functional._base import Public, Tensor, call, check_same, check_tensor, compute_dtype
+
+OP = "decode_attention"
+HEAD_DIMS = (16, 32, 64, 128, 256)
+_INT = (torch.int32, torch.int64)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None = None,
+                     window: tuple[int | None, int | None] | None = None, softcap: float | None = None) -> Tensor:
+    """Attention of Sq new tokens per sequence over a KV cache (decode, speculative verification), forward only.
+
+    q: [B, Hq, Sq, D]; k_cache, v_cache: [B, Hk, S_max, D] with Hq a multiple of Hk (grouped-query attention); D in
+    16, 32, 64, 128, 256; one dtype (bfloat16/float16/float32); any strides with unit stride along D (transposed
+    views of [B, S_max, H, D] caches are read in place). cache_seqlens: [B] int32 (or int64) on q's device:
+    sequence b holds L_b valid cache rows 0 .. L_b−1, the new tokens' keys and values already written as the last
+    Sq of them, so query token t sits at position L_b − Sq + t and sees keys j ≤ L_b − Sq + t (causal among the new
+    tokens). Rows ≥ L_b are never read. L_b is read on the device (no host sync); values outside [0, S_max] are
+    clamped to it. ``window=(left, right)``: key j is also seen only if j ≥ position − left (None: unbounded;
+    ``right`` is implied by the causal rule). ``softcap`` c > 0: scores become c·tanh(scale·q·k / c) before the
+    softmax. ``scale`` defaults to D^-0.5. A query that sees no key (L_b − Sq + t < 0) gets zeros.
+    Returns [B, Hq, Sq, D] in q's dtype, which does not require grad.
+    """
+    return _CALLS(q, k_cache, v_cache, cache_seqlens, scale, window, softcap)
+
+
+def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, scale: Any, window: Any, softcap: Any) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(OP, name, t, (4,))
+    check_same(OP, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, shape=False)
+    B, Hq, _, D = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"hkernels.decode_attention: k_cache and v_cache must have the same shape, got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"hkernels.decode_attention: q [B, Hq, Sq, D] = {list(q.shape)} and k_cache [B, Hk, S_max, "
+                         f"D] = {list(k_cache.shape)} must agree on B and D")
+    if k_cache.shape[1] == 0 or Hq % k_cache.shape[1]:
+        raise ValueError(f"hkernels.decode_attention: the query heads ({Hq}) must be a multiple of the key/value "
+                         f"heads ({k_cache.shape[1]})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"hkernels.decode_attention: head dim D must be one of {HEAD_DIMS}, got {D}")
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in _INT:
+        got = cache_seqlens.dtype if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__
+        raise TypeError(f"hkernels.decode_attention: cache_seqlens must be an int32 or int64 tensor, got {got}")
+    if tuple(cache_seqlens.shape) != (B,):
+        raise ValueError(f"hkernels.decode_attention: cache_seqlens must be [B] = [{B}] (one length per sequence), "
+                         f"got {list(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"hkernels.decode_attention: cache_seqlens is on {cache_seqlens.device} but q is on "
+                         f"{q.device}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        raise TypeError(f"hkernels.decode_attention: scale must be a float or None, got {type(scale).__name__}")
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"hkernels.decode_attention: window must be None or (left, right), got {window!r}")
+        for side in window:
+            if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side < 0):
+                raise ValueError(f"hkernels.decode_attention: window sides must be ints >= 0 or None, got "
+                                 f"{tuple(window)!r}")
+    if softcap is not None:
+        if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+            raise TypeError(f"hkernels.decode_attention: softcap must be a float or None, got "
+                            f"{type(softcap).__name__}")
+        if not (0 < softcap < math.inf):  # (NaN fails every comparison)
+            raise ValueError(f"hkernels.decode_attention: softcap must be a finite number greater than 0, got "
+                             f"{softcap!r}")
+
+
+def _body(request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None,
+          window: tuple[int | None, int | None] | None, softcap: float | None) -> Tensor:
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    left = -1 if window is None or window[0] is None else int(window[0])
+    cap = 0.0 if softcap is None else float(softcap)
+    with torch.no_grad():  # forward only: the result never joins a graph
+        return call(_fwd, q, k_cache, v_cache, cache_seqlens, scale, left, cap, request)
+
+
+# ------------------------------------------------------------------------------------------------- the custom op
+
+
+def _d_unit(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("hkernels::decode_attention_fwd", mutates_args=())
+def _fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float, window_left: int,
+         softcap: float, backend: str) -> Tensor:
+    # window_left < 0: no window; softcap 0: none (the kernels' arguments are plain numbers)
+    if q.numel() == 0 or k_cache.numel() == 0:
+        backend = "torch"
+    return dispatch.run(OP, "decode_attention_fwd", backend, _d_unit(q), _d_unit(k_cache), _d_unit(v_cache),
+                        cache_seqlens.contiguous(), scale, window_left, softcap)
+
+
+@_fwd.register_fake
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float, window_left: int,
+      softcap: float, backend: str) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+# ------------------------------------------------------------------------------- reference and the torch backend
+
+
+def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None = None,
+              window: tuple[int | None, int | None] | None = None, softcap: float | None = None) -> Tensor:
+    """softmax(cap(scale · q kᵀ) masked to the keys each new token sees) v, per sequence b, query token t at
+    position L_b − Sq + t (L_b clamped to [0, S_max]): keys j with pos − left ≤ j ≤ pos. No key: zeros."""
+    D = q.shape[-1]
+    scale = D**-0.5 if scale is None else scale
+    left = None if window is None else window[0]
+    return _attend(q, k_cache, v_cache, cache_seqlens, scale, left, softcap)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, seqlens: Tensor, scale: float, left: int | None,
+            softcap: float | None) -> Tensor:
+    ct = compute_dtype(q.dtype)
+    B, Hq, Sq, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    lengths = seqlens.to(q.device, torch.int64).clamp(0, S)
+    pos = lengths[:, None] - Sq + torch.arange(Sq, device=q.device)  # [B, Sq]
+    j = torch.arange(S, device=q.device)
+    seen = j <= pos[..., None]  # [B, Sq, S]; pos < L_b, so every key seen is a valid cache row
+    if left is not None:
+        seen = seen & (j >= pos[..., None] - left)
+    # rows past L_b may hold anything (NaN): zeroed, so that p = 0 times them stays 0
+    valid = (j < lengths[:, None])[:, None, :, None]  # [B, 1, S, 1]
+    kf = k.to(ct).masked_fill(~valid, 0.0)
+    vf = v.to(ct).masked_fill(~valid, 0.0)
+    # the G query heads of a key/value head as rows of one matmul: [B, Hk, G·Sq, D] · [B, Hk, D, S]
+    qf = q.to(ct).reshape(B, Hk, G * Sq, D)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.unflatten(2, (G, Sq)).masked_fill(~seen[:, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(seen.any(-1)[:, None, None, :, None], p, 0.0)  # no key seen: zeros, not softmax's NaN
+    o = torch.matmul(p.flatten(2, 3), vf)  # [B, Hk, G·Sq, D]
+    return o.reshape(B, Hq, Sq, D).to(q.dtype)
+
+
+def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float,
+                         window_left: int, softcap: float) -> Tensor:
+    """q [B, Hq, Sq, D], k_cache/v_cache [B, Hk, S_max, D], cache_seqlens [B] integer; window_left < 0: no window;
+    softcap 0: none -> o [B, Hq, Sq, D] in q's dtype."""
+    return _attend(q, k_cache, v_cache, cache_seqlens, scale, None if window_left < 0 else window_left,
+                   softcap or None)
+
+
+_CALLS = Public(OP, _check, _body)
