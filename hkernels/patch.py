@@ -27,10 +27,18 @@ What is replaced (``ops`` picks; default all):
   weights runs the implementation selected before). Transformers without the interface: nothing is replaced. Experts
   modules that declare ``hkernels_experts = "swiglu"`` (``bench.model``'s) -> :class:`hkernels.nn.MoEExperts`
   holding the same Parameters.
-- ``attention`` (opt-in: not in the default set): causal self-attention without a mask on
-  :func:`hkernels.attention` — Hugging Face's "sdpa" attention function (calls with a mask, dropout, a position
-  bias, soft-capping, decoding or an unsupported head dim keep SDPA), and module-level ``causal_attention(q, k, v)``
-  functions marked ``hkernels_attention = "causal"`` (``bench.model``'s).
+- ``attention`` (opt-in: not in the default set): Hugging Face's "sdpa" attention function and the
+  ``eager_attention_forward`` of its Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 modules (Gemma 2 runs eager)
+  -> :func:`hkernels.attention` for causal self-attention, with the call's ``sliding_window`` W (a query sees W
+  keys, its own included: ``window=(W - 1, 0)``) and Gemma 2's logit ``softcap``, and
+  -> :func:`hkernels.attention_varlen` for documents packed in a row (``position_ids`` restarting, as
+  ``DataCollatorWithFlattening`` gives; a document starts where they do not go up by one, as in transformers'
+  masks, which it builds only without a KV cache: ``use_cache=False``, as its Trainer sets). A mask is left out only
+  when it is exactly the causal, windowed, per-document mask those imply (read once per mask tensor; under
+  torch.compile a call with a mask keeps its function). Calls with any other mask (padding), dropout, a position
+  bias, attention weights that are read (``output_attentions``), decoding (fewer queries than keys) or a head dim
+  outside 16, 32, 64, 128 run the original function. And module-level ``causal_attention(q, k, v)`` functions
+  marked ``hkernels_attention = "causal"`` (``bench.model``'s).
 
 Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
 unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order.
@@ -39,6 +47,7 @@ unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes th
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -49,6 +58,7 @@ from torch import nn
 
 from hkernels import nn as hnn
 from hkernels.functional import attention as _attention
+from hkernels.functional import attention_varlen as _attention_varlen
 from hkernels.functional import fused_linear_cross_entropy as _linear_loss
 from hkernels.functional import geglu as _geglu
 from hkernels.functional import moe as _moe
@@ -225,28 +235,177 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 causal_attention.hkernels = True  # type: ignore[attr-defined]
 
 _ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+# Hugging Face modeling modules whose eager_attention_forward is softmax(cap(scaling · q kᵀ) + mask) v over the
+# key/value heads repeated per group (Gemma's with its optional softcap), returning [B, S, Hq, D] and the weights.
+# Gemma 2 runs it by default: SDPA has no softcap.
+HF_EAGER_ATTENTION_MODULES = tuple(f"transformers.models.{m}.modeling_{m}"
+                                   for m in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"))
+_MASK_SEEN = "_hkernels_mask_seen"  # on a mask tensor: what it was found to be, per (window, version)
+
+
+def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                  dropout: Any, scaling: Any, causal_without_mask: bool, kwargs: dict[str, Any],
+                  collector: Any) -> Tensor | None:
+    """hkernels' result [B, S, Hq, D] of one Hugging Face attention call (q [B, Hq, S, D], k/v [B, Hk, S, D]) whose
+    result it computes exactly, else None: self-attention without dropout, position bias or returned weights, with
+    Gemma's softcap, and either no mask (``causal_without_mask``: SDPA then is causal) or a mask that is exactly
+    causal, banded by the call's ``sliding_window`` W (a query sees W keys, itself included: window (W − 1, 0)),
+    per document of rows packed by restarting ``position_ids``."""
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    if not (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+            and query.dim() == key.dim() == value.dim() == 4):
+        return None
+    B, Hq, S, D = query.shape
+    if not (dropout == 0 and kwargs.get("position_bias") is None and key.shape == value.shape
+            and key.shape[0] == B and key.shape[2] == S > 1 and key.shape[3] == D and D in _ATTENTION_HEAD_DIMS
+            and Hq % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype
+            and query.device == key.device == value.device
+            and (scaling is None or _positive(scaling)) and (softcap is None or _positive(softcap))
+            and (window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1))
+            and not _weights_wanted(module, kwargs, collector)):
+        return None
+    if attention_mask is None:
+        if not causal_without_mask:
+            return None
+        # No mask: SDPA runs plain causal attention, whatever sliding_window says (Hugging Face leaves the mask out
+        # only where the window spans every key).
+        left, packing = -1, None
+    else:
+        left = -1 if window is None else window - 1
+        found = _mask_packing(attention_mask, query, left, kwargs)
+        if found is None:
+            return None
+        packing = found or None
+    bounds = None if left < 0 else (left, 0)
+    if packing is None:
+        out = _attention.attention(query, key, value, causal=True, scale=scaling, window=bounds, softcap=softcap)
+        return out.transpose(1, 2).contiguous()
+    cu, longest = packing
+    rows = [t.transpose(1, 2).reshape(B * S, t.shape[1], D) for t in (query, key, value)]  # views when B = 1
+    out = _attention_varlen.attention_varlen(*rows, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True,
+                                             scale=scaling, window=bounds, softcap=softcap)
+    return out.reshape(B, S, Hq, D)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _weights_wanted(module: nn.Module, kwargs: dict[str, Any], collector: Any) -> bool:
+    """Whether the call's attention weights are read: asked for by the call or the config, or collected by
+    transformers' output-capturing hooks (``collector``: what they collect; they record what the attention module
+    returns)."""
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        return True
+    collecting = collector.get() if collector is not None else None
+    return bool(collecting) and "attentions" in collecting
+
+
+def _output_collector() -> Any:
+    """transformers' context variable of the outputs its hooks collect, or None in versions without it."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def _mask_packing(mask: Any, query: Tensor, left: int, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Whether ``mask`` (bool: True keeps; or additive: 0 keeps, the dtype's min drops; [B or 1, 1, S, S]) is
+    exactly causal self-attention with window ``left`` (−1: none) within each document: (cu_seqlens int32 on the
+    device, longest document) for documents packed in rows, () for one document per row, None when the mask is
+    anything else. The answer is kept on the mask (every layer of a kind gets the same one), which is read once."""
+    B, _, S, _ = query.shape
+    if not (isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1
+            and tuple(mask.shape[2:]) == (S, S) and mask.device == query.device
+            and (mask.dtype == torch.bool or mask.is_floating_point())):
+        return None
+    if torch.compiler.is_compiling():  # reading the mask's values would break the graph: SDPA takes it
+        return None
+    # An inference tensor has no version counter, so a change in place could not be seen: it is read every call.
+    version = None if mask.is_inference() else mask._version
+    seen = mask.__dict__.setdefault(_MASK_SEEN, {}) if version is not None else {}
+    if (left, version) not in seen:
+        seen[(left, version)] = _read_mask(mask, B, S, left, kwargs)
+    return seen[(left, version)]
+
+
+def _documents(B: int, S: int, kwargs: dict[str, Any]) -> Tensor | None:
+    """The first token of each document of the flattened [B·S] tokens (CPU int64) where ``position_ids`` do not
+    go up by one: how Hugging Face's masks find documents packed in a row (its masks are built from them alone, so
+    ``cu_seq_lens_q`` adds nothing here); None without position ids of the rows' shape."""
+    pos = kwargs.get("position_ids")
+    if not (isinstance(pos, Tensor) and pos.dim() == 2 and pos.shape[0] in (1, B) and pos.shape[1] == S):
+        return None
+    p = pos.detach().expand(B, S).cpu()
+    new = torch.ones(B, S, dtype=torch.bool)
+    new[:, 1:] = p[:, 1:] - p[:, :-1] != 1
+    return torch.nonzero(new.reshape(-1)).reshape(-1)
+
+
+def _read_mask(mask: Tensor, B: int, S: int, left: int, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """:func:`_mask_packing`'s answer, comparing every element of ``mask`` with the mask the documents imply."""
+    starts = _documents(B, S, kwargs)
+    if starts is None:
+        starts = torch.arange(0, B * S, S)
+    lengths = torch.diff(starts, append=torch.tensor([B * S]))
+    doc = torch.repeat_interleave(torch.arange(starts.numel()), lengths).view(B, S).to(mask.device)
+    i = torch.arange(S, device=mask.device)
+    keep = (i[None, :] <= i[:, None]) & (doc[:, :, None] == doc[:, None, :])
+    if left >= 0:
+        keep &= i[None, :] >= i[:, None] - left
+    keep = keep[:, None]  # [B, 1, S, S]
+    if mask.dtype != torch.bool:
+        keep = torch.full(keep.shape, torch.finfo(mask.dtype).min, dtype=mask.dtype,
+                          device=mask.device).masked_fill_(keep, 0)
+    if not torch.equal(mask.expand(keep.shape), keep):
+        return None
+    if starts.numel() == B and bool((starts == torch.arange(0, B * S, S)).all()):
+        return ()  # one document per row: the dense call
+    cu = torch.cat([starts, torch.tensor([B * S])]).to(device=mask.device, dtype=torch.int32)
+    return cu, int(lengths.max())
 
 
 def _hf_sdpa(original: Any) -> Any:
-    """Hugging Face's sdpa attention function, on :func:`hkernels.attention` where the call is plain causal
-    self-attention; everything else to ``original``."""
+    """Hugging Face's sdpa attention function, on :func:`hkernels.attention` / :func:`hkernels.attention_varlen`
+    where :func:`_hf_attention` computes the call exactly; everything else to ``original``."""
+    collector = _output_collector()
+
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                   dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                   **kwargs: Any) -> tuple[Tensor, None]:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        plain = (attention_mask is None and dropout == 0.0 and causal and kwargs.get("position_bias") is None
-                 and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
-                 and query.shape[2] == key.shape[2] > 1 and query.shape[-1] in _ATTENTION_HEAD_DIMS
-                 and key.shape[-1] == query.shape[-1] == value.shape[-1]
-                 and query.shape[1] % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype)
-        if not plain:
+        out = _hf_attention(module, query, key, value, attention_mask, dropout, scaling, bool(causal), kwargs,
+                            collector)
+        if out is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             is_causal=is_causal, **kwargs)
-        out = _attention.attention(query, key, value, causal=True, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return out, None
 
     attention.hkernels = True  # type: ignore[attr-defined]
     return attention
+
+
+def _hf_eager(original: Any) -> Any:
+    """A Hugging Face module's ``eager_attention_forward`` (see :data:`HF_EAGER_ATTENTION_MODULES`), on hkernels
+    where :func:`_hf_attention` computes the call exactly (no weights are returned then: nothing reads them);
+    everything else to ``original``. Without a mask eager attention is not causal: ``original`` runs it."""
+    collector = _output_collector()
+
+    def eager_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                attention_mask: Tensor | None, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        out = None
+        if not args and kwargs.get("scaling") is not None:
+            rest = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
+            out = _hf_attention(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0),
+                                kwargs.get("scaling"), False, rest, collector)
+        if out is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        return out, None
+
+    eager_attention_forward.hkernels = True  # type: ignore[attr-defined]
+    return eager_attention_forward
 
 
 def _hf_experts_ok(m: nn.Module) -> bool:
@@ -451,6 +610,14 @@ def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None
                 ALL_ATTENTION_FUNCTIONS["sdpa"] = ours
                 done.append(Replacement("transformers:ALL_ATTENTION_FUNCTIONS[sdpa]", "attention", "registry",
                                         sdpa, ours))
+            for mod_name in sorted({type(m).__module__ for m in model.modules()} & set(HF_EAGER_ATTENTION_MODULES)):
+                mod = sys.modules.get(mod_name)
+                fn = getattr(mod, "eager_attention_forward", None)
+                if callable(fn) and not getattr(fn, "hkernels", False):
+                    ours = _hf_eager(fn)
+                    mod.eager_attention_forward = ours
+                    done.append(Replacement(f"{mod_name}.eager_attention_forward", "attention", "function", fn,
+                                            ours))
     model.__dict__.setdefault(_RECORD, []).extend(done)
     return done
 

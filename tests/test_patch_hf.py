@@ -1,5 +1,5 @@
-"""hkernels.patch on Hugging Face's own Llama, Mistral and Qwen2 classes (tiny random-init configs, no downloads):
-what it replaces, loss and gradients against the unpatched model, unpatch, state_dicts both ways."""
+"""hkernels.patch on Hugging Face's own Llama, Mistral, Qwen2, Gemma 2/3 and MoE classes (tiny random-init configs,
+no downloads): what it replaces, loss and gradients against the unpatched model, unpatch, state_dicts both ways."""
 
 from __future__ import annotations
 
@@ -137,44 +137,193 @@ def test_hf_look_alike_norms_that_scale_by_one_plus_weight_are_left_alone(device
 
 
 def test_hf_attention_patch_runs_plain_causal_calls_and_restores(monkeypatch, device):
-    """ops="attention" swaps HF's sdpa attention function for one on hkernels.attention (plain causal calls; the
-    rest stay on SDPA), loss and gradients match, and unpatch puts the registry entry back."""
+    """ops="attention" swaps HF's sdpa attention function and the model module's eager one for functions on
+    hkernels.attention (plain causal calls; the rest stay on SDPA), loss and gradients match, and unpatch puts the
+    registry entry and the module function back."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-
-    module = importlib.import_module("hkernels.functional.attention")
-    calls = []
-    real = module.attention
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "attention", spy)
+    calls = _spy_attention(monkeypatch)
     model, ids = _tiny("llama", device)
     plain = copy.deepcopy(model)
     want = plain(input_ids=ids, labels=ids).loss
     want.backward()
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    module = importlib.import_module(type(model).__module__)
+    eager = module.eager_attention_forward
     done = hkernels.patch(model, ops="attention")
     try:
-        assert [r.op for r in done] == ["attention"] and ALL_ATTENTION_FUNCTIONS["sdpa"] is not original
+        assert [r.where for r in done] == ["transformers:ALL_ATTENTION_FUNCTIONS[sdpa]",
+                                           f"{module.__name__}.eager_attention_forward"]
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not original and module.eager_attention_forward is not eager
         with hkernels.use_backend("triton"):
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
-        assert len(calls) == 2  # one per layer
+        assert [c[0] for c in calls] == ["attention"] * 2  # one per layer
         torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
         for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-        # with a padding mask the call is not plain causal: SDPA runs it
-        mask = torch.ones_like(ids)
-        mask[0, :3] = 0
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
-        assert len(calls) == 2
     finally:
         unpatch(model)
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original and module.eager_attention_forward is eager
+
+
+def _spy_attention(monkeypatch) -> list[tuple[str, dict]]:
+    """Records each call of hkernels.attention / attention_varlen made through the patch: (op, keyword args)."""
+    from hkernels.functional import attention as dense
+    from hkernels.functional import attention_varlen as varlen
+
+    calls: list[tuple[str, dict]] = []
+    for module, name in ((dense, "attention"), (varlen, "attention_varlen")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _tiny_windowed(family: str, device: torch.device, window: int = 4):
+    """Two layers, hidden 64, head dim 16, on the attention implementation the family loads with: Mistral (every
+    layer sliding, sdpa), Gemma 2 (sliding then global layer, softcap 1.0, eager), Gemma 3 (sliding then global,
+    sdpa). Weights and Gemma's scaling are large enough for scores of a few units, so that the cap and the windows
+    change the result."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, sliding_window=window,
+                  initializer_range=0.2)
+    if family == "mistral":
+        cfg, cls = transformers.MistralConfig(**common, head_dim=16), transformers.MistralForCausalLM
+    elif family == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=16, attn_logit_softcapping=1.0, query_pre_attn_scalar=16,
+                                        layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
+                                            layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).to(device)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, ids
+
+
+def _patched_matches(model, plain, kwargs: dict, loss_of) -> None:
+    """The patched model's loss_of(output) and every gradient equal the unpatched model's."""
+    want = loss_of(plain(**kwargs))
+    want.backward()
+    hkernels.patch(model, ops="attention")
+    try:
+        with hkernels.use_backend("torch"):
+            got = loss_of(model(**kwargs))
+            got.backward()
+    finally:
+        unpatch(model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    _same_grads(model, plain)
+
+
+def _same_grads(model, plain) -> None:
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_hf_attention_sliding_windows_and_softcap_run_on_hkernels(family, monkeypatch, device):
+    """A sliding window W smaller than the sequence reaches hkernels.attention as window=(W - 1, 0) (Hugging
+    Face's query sees W keys, itself included), Gemma's global layers without a window, Gemma 2's logit softcap as
+    softcap, through the implementation each model runs (Gemma 2: eager; the others: sdpa); loss and gradients
+    match the unpatched model."""
+    calls = _spy_attention(monkeypatch)
+    model, ids = _tiny_windowed(family, device, window=4)
+    assert model.config._attn_implementation == ("eager" if family == "gemma2" else "sdpa")
+    _patched_matches(model, copy.deepcopy(model), dict(input_ids=ids, labels=ids), lambda out: out.loss)
+    windows = [(4 - 1, 0), (4 - 1, 0)] if family == "mistral" else [(4 - 1, 0), None]
+    assert [(op, c["window"]) for op, c in calls] == [("attention", w) for w in windows]
+    assert [c["softcap"] for _, c in calls] == [1.0 if family == "gemma2" else None] * 2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
+def test_hf_attention_packed_documents_run_on_attention_varlen(family, monkeypatch, device):
+    """Three documents packed in one row (position_ids restarting at 0, no attention mask: what
+    DataCollatorWithFlattening gives) reach hkernels.attention_varlen with their cu_seqlens (Mistral and Gemma 2's
+    sliding layer: with the window inside each document; Gemma 2: eager, with its softcap); the logits and every
+    gradient equal those of each document run on its own through the unpatched model."""
+    calls = _spy_attention(monkeypatch)
+    if family == "qwen2":
+        model, _ = _tiny("qwen2", device)
+    else:
+        model, _ = _tiny_windowed(family, device, window=3)
+    plain = copy.deepcopy(model)
+    lengths = [4, 6, 3]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 96, (1, sum(lengths)), generator=g).to(device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    weights = torch.randn(1, sum(lengths), 96, generator=g).to(device)  # a loss that reads every logit
+    want, start = 0.0, 0
+    for n in lengths:
+        logits = plain(input_ids=ids[:, start:start + n], use_cache=False).logits
+        want = want + (logits * weights[:, start:start + n]).sum()
+        start += n
+    want.backward()
+    hkernels.patch(model, ops="attention")
+    try:
+        with hkernels.use_backend("torch"):
+            got = (model(input_ids=ids, position_ids=pos, use_cache=False).logits * weights).sum()
+            got.backward()
+    finally:
+        unpatch(model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _same_grads(model, plain)
+    windows = {"qwen2": [None, None], "mistral": [(3 - 1, 0)] * 2, "gemma2": [(3 - 1, 0), None]}[family]
+    assert [(op, c["window"]) for op, c in calls] == [("attention_varlen", w) for w in windows]
+    assert [c["softcap"] for _, c in calls] == [1.0 if family == "gemma2" else None] * 2
+
+
+def test_hf_attention_calls_it_does_not_cover_keep_their_implementation(monkeypatch, device):
+    """A padding mask, a padded packed row, weights asked for (eager returns them), decoding with a KV cache and an
+    eager call without a mask (not causal) run the original function: hkernels is never called and the results
+    are the unpatched model's."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    calls = _spy_attention(monkeypatch)
+    mistral, ids = _tiny_windowed("mistral", device)
+    gemma, _ = _tiny_windowed("gemma2", device)
+    plains = {id(m): copy.deepcopy(m) for m in (mistral, gemma)}
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    packed_padding = torch.ones_like(ids[:1])
+    packed_padding[0, -2:] = 0
+    pos = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
+    cases = [(mistral, dict(input_ids=ids, attention_mask=padding)),
+             (gemma, dict(input_ids=ids, attention_mask=padding)),
+             (mistral, dict(input_ids=ids[:1], position_ids=pos, attention_mask=packed_padding, use_cache=False)),
+             (gemma, dict(input_ids=ids, output_attentions=True))]
+    for model in (mistral, gemma):
+        hkernels.patch(model, ops="attention")
+    try:
+        with torch.no_grad(), hkernels.use_backend("torch"):
+            for model, kwargs in cases:
+                got, want = model(**kwargs), plains[id(model)](**kwargs)
+                torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+                if kwargs.get("output_attentions"):
+                    assert all(a is not None for a in got.attentions)
+                    torch.testing.assert_close(got.attentions, want.attentions, rtol=0, atol=0)
+            assert calls == []
+            # decoding: one new token against the cache of the ones before (S = 1 != Skv)
+            out = mistral(input_ids=ids[:, :-1], use_cache=True)
+            assert len(calls) == 2
+            cache = "cache" if "cache" in inspect.signature(mistral.forward).parameters else "past_key_values"
+            mistral(input_ids=ids[:, -1:], use_cache=True, **{cache: out.past_key_values})
+            assert len(calls) == 2
+            q = torch.randn(1, 4, 6, 16, device=device)
+            k = torch.randn(1, 2, 6, 16, device=device)
+            attn = gemma.model.layers[0].self_attn
+            got, weights = modeling_gemma2.eager_attention_forward(attn, q, k, k, None, scaling=0.25)
+            assert weights is not None and calls[2:] == []
+    finally:
+        for model in (mistral, gemma):
+            unpatch(model)
 
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
