@@ -39,9 +39,10 @@ def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
     """(rows, n) of the op's first tensor for a benchmark row of ``bench_op`` at (M, N, K); see bench/ops.py for
     what M, N, K are."""
     op = OP_OF.get(bench_op, bench_op)
-    if op in ("rope", "attention"):
+    if op in ("rope", "attention", "attention_varlen"):
         head_dim = SMALL_HEAD_DIM if bench_op.startswith("attention_d64") else HEAD_DIM
-        return m * (n // head_dim) * max(k, 1), head_dim  # rope: q [1, H, S, D]; attention: q [B, H, S, D]
+        # rope: q [1, H, S, D]; attention: q [B, H, S, D]; attention_varlen: q [T, H, D], T = M·K
+        return m * (n // head_dim) * max(k, 1), head_dim
     if op in ("matmul", "grouped_matmul"):
         return m, k  # a [M, K]; x [M, K]
     return m, n

@@ -6,6 +6,7 @@ must move, one callable per backend, and the shapes of each preset. What M, N an
 
 from __future__ import annotations
 
+import itertools
 import os
 import types
 from collections.abc import Callable
@@ -18,7 +19,17 @@ import torch.nn.functional as F
 import hkernels
 from hkernels import references
 from hkernels.tune import cases
-from hkernels.tune.cases import FLCE_VOCAB, HEAD_DIM, KV_HEADS, SMALL_HEAD_DIM, Make, Shape
+from hkernels.tune.cases import (
+    FLCE_VOCAB,
+    HEAD_DIM,
+    KV_HEADS,
+    SMALL_HEAD_DIM,
+    SOFTCAP,
+    WINDOW,
+    Make,
+    Shape,
+    doc_lengths,
+)
 
 Tensor = torch.Tensor
 
@@ -188,6 +199,129 @@ def _attention_bench(name: str, causal: bool, head_dim: int) -> OpBench:
         dim="hidden", flops_fn=_attention_flops(causal), compile=False, shapes=_attention_shapes(head_dim),
         ref_view=_head0,
         peers={"sdpa_flash": _sdpa("FLASH_ATTENTION", causal), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", causal)},
+    )
+
+
+def _window_flops(mode: str, m: int, n: int, k: int) -> float:
+    keys = sum(min(i + 1, WINDOW) for i in range(m))  # causal, each query sees at most WINDOW keys
+    fwd = 4.0 * k * n * keys
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+
+
+def _varlen_flops(mixed: bool) -> Callable[[str, int, int, int], float]:
+    def count(mode: str, m: int, n: int, k: int) -> float:
+        fwd = 4.0 * n * sum(d * (d + 1) / 2 for d in doc_lengths(m, max(k, 1), mixed))  # causal per document
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+
+    return count
+
+
+_MASKS: dict[tuple, Tensor] = {}
+
+
+def _window_mask(s: int, device: torch.device) -> Tensor:
+    """[S, S] bool: causal within the last WINDOW keys (SDPA's attn_mask: True = attend)."""
+    key = ("window", s, device)
+    if key not in _MASKS:
+        i = torch.arange(s, device=device)
+        _MASKS[key] = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - WINDOW)
+    return _MASKS[key]
+
+
+def _eager_window(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(q.shape[2], q.device))
+
+
+def _capped_chunk(q: Tensor, k: Tensor, v: Tensor, first: int) -> Tensor:
+    """Queries first .. first + len(q) of a causal, soft-capped attention, written out in PyTorch."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = SOFTCAP * torch.tanh(s / SOFTCAP)
+    i = torch.arange(first, first + q.shape[2], device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > i, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), -1).to(q.dtype), v)
+
+
+def _eager_softcap(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Soft-capped causal attention in PyTorch, 2048 queries at a time with each chunk recomputed in the backward
+    (torch.utils.checkpoint): the [S, S] scores of every head at once do not fit at S = 16k."""
+    from torch.utils.checkpoint import checkpoint
+
+    chunk = 2048
+    outs = [checkpoint(_capped_chunk, q[:, :, a:a + chunk], k[:, :, :a + chunk], v[:, :, :a + chunk], a,
+                       use_reentrant=False) for a in range(0, q.shape[2], chunk)]
+    return torch.cat(outs, 2)
+
+
+def _eager_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_host: Tensor) -> Tensor:
+    """One SDPA call per document (its flash/cuDNN kernels take no packed batch)."""
+    b = cu_host.tolist()
+    outs = [F.scaled_dot_product_attention(*(t[a:e].transpose(0, 1) for t in (q, k, v)), is_causal=True)
+            .transpose(0, 1) for a, e in itertools.pairwise(b)]
+    return torch.cat(outs)
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def _flex_call() -> Callable[..., Tensor]:
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def _flex(kind: str) -> Callable[..., object]:
+    """torch.nn.attention.flex_attention, compiled, with its block mask (built once per shape, outside the timed
+    call): ``window`` (causal within WINDOW keys), ``softcap`` (causal, SOFTCAP·tanh(s / SOFTCAP) as score_mod) or
+    ``varlen`` (causal within each packed document, on the [1, H, T, D] view)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, *packed: Tensor) -> Tensor:
+        if kind == "varlen":
+            cu, cu_host = packed
+            key = ("flex", kind, q.shape, tuple(cu_host.tolist()))  # (an address may be reused by other bounds)
+            if key not in _MASKS:
+                doc = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=q.device), cu.diff())
+
+                def document(b, h, q_idx, kv_idx):
+                    return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+                _MASKS[key] = create_block_mask(document, None, None, q.shape[0], q.shape[0], device=q.device)
+            out = _flex_call()(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=_MASKS[key])
+            return out[0].transpose(0, 1)
+        key = ("flex", kind, q.shape[2], q.device)
+        if key not in _MASKS:
+            mod = window if kind == "window" else causal
+            _MASKS[key] = create_block_mask(mod, None, None, q.shape[2], q.shape[2], device=q.device)
+        return _flex_call()(q, k, v, score_mod=cap if kind == "softcap" else None, block_mask=_MASKS[key])
+
+    return run
+
+
+def _mixed_shapes(preset: str) -> list[Shape]:
+    """Attention's shapes with more than one document in the 16384 tokens (mixed lengths up to M)."""
+    return [s for s in _attention_shapes(HEAD_DIM)(preset) if s[0] < 16384 and s[2] > 1]
+
+
+def _varlen_bench(name: str, mixed: bool) -> OpBench:
+    return _bench(
+        name,
+        eager=_eager_varlen,
+        ref=lambda q, k, v, cu, cu_host: references.attention_varlen(q, k, v, cu, causal=True),
+        dim="hidden", flops_fn=_varlen_flops(mixed), compile=False,
+        shapes=_mixed_shapes if mixed else _attention_shapes(HEAD_DIM),
+        ref_view=lambda t: t[:, :1],  # head 0 of [T, H, D]
+        peers={"flex": _flex("varlen")},
     )
 
 
@@ -385,6 +519,22 @@ OPS: dict[str, OpBench] = {
     "attention_causal": _attention_bench("attention_causal", True, HEAD_DIM),
     "attention_d64": _attention_bench("attention_d64", False, SMALL_HEAD_DIM),
     "attention_d64_causal": _attention_bench("attention_d64_causal", True, SMALL_HEAD_DIM),
+    "attention_window": _bench(
+        "attention_window",
+        eager=_eager_window,
+        ref=lambda q, k, v: references.attention(q, k, v, causal=True, window=(WINDOW - 1, 0)),
+        dim="hidden", flops_fn=_window_flops, compile=False, shapes=_attention_shapes(HEAD_DIM), ref_view=_head0,
+        peers={"flex": _flex("window")},
+    ),
+    "attention_softcap": _bench(
+        "attention_softcap",
+        eager=_eager_softcap,
+        ref=lambda q, k, v: references.attention(q, k, v, causal=True, softcap=SOFTCAP),
+        dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes(HEAD_DIM),
+        ref_view=_head0, peers={"flex": _flex("softcap")},
+    ),
+    "attention_varlen": _varlen_bench("attention_varlen", False),
+    "attention_varlen_mixed": _varlen_bench("attention_varlen_mixed", True),
 }
 for _name, _fn in LIGER.items():
     OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})

@@ -8,7 +8,8 @@ eager and torch.compile, the extra peak memory of a call, and the largest error 
 (relative to the reference's largest value; a row of hkernels beyond the dtype's tolerance fails the run).
 Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion, triton and auto
 (hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel, when
-importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention). Writes results.csv,
+importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention), flex
+(torch.nn.attention.flex_attention compiled, for the attention variants SDPA lacks). Writes results.csv,
 results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
 
 Without a GPU, HKERNELS_INTERPRET=1 python -m bench --quick is a check, not a measurement: the kernels run in
@@ -36,13 +37,13 @@ import torch
 
 from bench import cli
 
-BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm",
-            "dense_mm")
-DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm",
-                    "dense_mm")
-# other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; torch._grouped_mm and one
-# dense matmul of the same flops (grouped_matmul)
-PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "grouped_mm", "dense_mm")
+BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "flex",
+            "grouped_mm", "dense_mm")
+DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "flex",
+                    "grouped_mm", "dense_mm")
+# other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; flex_attention compiled;
+# torch._grouped_mm and one dense matmul of the same flops (grouped_matmul)
+PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
 OURS = ("helion", "triton", "auto")
 
 

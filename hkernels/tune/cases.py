@@ -101,6 +101,42 @@ def _attention(head_dim: int) -> Make:
     return make
 
 
+# Gemma 3's local layers: a causal sliding window of 1024 keys (each query sees itself and the 1023 before it);
+# Gemma 2's attention logit cap.
+WINDOW, SOFTCAP = 1024, 50.0
+# Mixed documents, as a packing collator makes them: lengths as these fractions of the longest, over and over.
+_DOC_FRACTIONS = (1.0, 0.375, 0.625, 0.125, 0.875, 0.25, 0.5, 0.0625)
+
+
+def doc_lengths(m: int, k: int, mixed: bool) -> list[int]:
+    """The documents packed into M·K tokens: K of M tokens each, or (mixed) lengths of up to M in
+    ``_DOC_FRACTIONS``' pattern, the last one cut to fit."""
+    if not mixed:
+        return [m] * k
+    total, lens = m * k, []
+    while sum(lens) < total:
+        lens.append(min(max(1, int(_DOC_FRACTIONS[len(lens) % len(_DOC_FRACTIONS)] * m)), total - sum(lens)))
+    return lens
+
+
+def _packed(head_dim: int, mixed: bool) -> Make:
+    """q, k, v [T, H, D] packed from ``doc_lengths`` (T = M·K tokens, H = N / D heads), the int32 bounds on the
+    device and again on the host (for a per-document loop; its longest for the launch)."""
+
+    def make(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+        lens = doc_lengths(m, max(k, 1), mixed)
+        shape = (sum(lens), n // head_dim, head_dim)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        return [*(torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)), cu.to(device), cu]
+
+    return make
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_host: Tensor) -> Tensor:
+    longest = int((cu_host[1:] - cu_host[:-1]).max())
+    return hkernels.attention_varlen(q, k, v, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
+
+
 def _grouped(experts: int) -> Make:
     """x [M, K] (M = tokens × experts per token), weight [E, N, K], balanced routing: M / E rows per expert."""
 
@@ -134,6 +170,8 @@ def _moe(experts: int, top_k: int, zipf: float = 0.0) -> Make:
 # Cases that are variants of one op (another head dim, causal, a fused activation): the op the dispatcher routes
 # them as, whose auto buckets they share (their times are summed per shape).
 OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
+         "attention_window": "attention", "attention_softcap": "attention",
+         "attention_varlen_mixed": "attention_varlen",
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe"}
 MOE = {"moe": (128, 8, 0.0), "moe_zipf": (128, 8, 1.2), "moe_mixtral": (8, 2, 0.0)}  # experts, top-k, Zipf exponent
 
@@ -163,6 +201,14 @@ OPS: dict[str, OpInputs] = {
         OpInputs("attention_d64", _attention(SMALL_HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_d64_causal", _attention(SMALL_HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
+        OpInputs("attention_window", _attention(HEAD_DIM), (0, 1, 2),
+                 lambda q, k, v: hkernels.attention(q, k, v, causal=True, window=(WINDOW - 1, 0))),
+        OpInputs("attention_softcap", _attention(HEAD_DIM), (0, 1, 2),
+                 lambda q, k, v: hkernels.attention(q, k, v, causal=True, softcap=SOFTCAP)),
+        # causal documents packed into one row: K of M tokens (against attention_causal's [K, H, M, D] batch), and
+        # mixed lengths of up to M
+        OpInputs("attention_varlen", _packed(HEAD_DIM, False), (0, 1, 2), _varlen),
+        OpInputs("attention_varlen_mixed", _packed(HEAD_DIM, True), (0, 1, 2), _varlen),
     )
 }
 
