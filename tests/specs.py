@@ -200,16 +200,33 @@ def _gated(op: str, shapes: list[tuple[str, tuple[int, ...]]], **kwargs: Any) ->
     return cases
 
 
+def _rope_positions(g: torch.Generator, kind: str, b: int, s: int, p: int) -> Tensor:
+    """position_ids into tables of p > s rows. "shared": [S], one run for the batch ending at the table's last row
+    (a later decode step); "packed": [B, S], sequences packed into each row, positions restarting at 0 where one
+    begins (Hugging Face's padding-free collator), one restart at least mid-row."""
+    if kind == "shared":
+        return torch.arange(p - s, p)
+    idx = torch.arange(s)
+    starts = torch.rand(b, s, generator=g) < 0.3
+    starts[:, 0] = starts[:, s // 2] = True
+    return idx - torch.where(starts, idx, 0).cummax(-1).values
+
+
 def _rope_case(name: str, b: int, hq: int, hk: int, s: int, d: int, batch_tables: bool = False,
-               transposed: bool = False, gpu_only: bool = False) -> Case:
+               transposed: bool = False, gpu_only: bool = False, positions: str | None = None) -> Case:
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if transposed:  # q, k as views of [B, S, H, D] projections: strides (S·H·D, D, H·D, 1)
             q = _randn(g, b, s, hq, d).transpose(1, 2)
             k = _randn(g, b, s, hk, d).transpose(1, 2)
         else:
             q, k = _randn(g, b, hq, s, d), _randn(g, b, hk, s, d)
-        angles = _randn(g, *((b,) if batch_tables else ()), s, d, scale=3.0)  # any angles, halves not tied
-        return {"q": q, "k": k, "cos": torch.cos(angles), "sin": torch.sin(angles)}, {}
+        if positions is not None:  # tables [P, D] of more positions than tokens, read at position_ids
+            angles = _randn(g, s + 7, d, scale=3.0)
+            kwargs = {"position_ids": _rope_positions(g, positions, b, s, s + 7)}
+        else:
+            angles = _randn(g, *((b,) if batch_tables else ()), s, d, scale=3.0)  # any angles, halves not tied
+            kwargs = {}
+        return {"q": q, "k": k, "cos": torch.cos(angles), "sin": torch.sin(angles)}, kwargs
 
     return Case("rope", name, make, ("q", "k"), gpu_only=gpu_only)
 
@@ -284,6 +301,10 @@ CASES_LLM: list[Case] = [
     _rope_case("d2_one_token", 1, 1, 1, 1, 2),  # every size 1 too: a shape Helion's codegen must handle
     _rope_case("llama_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
     _rope_case("llama_70b_odd", 1, 64, 8, 1000, 128, gpu_only=True),
+    _rope_case("packed", 2, 4, 2, 11, 64, positions="packed"),
+    _rope_case("shared_positions", 2, 2, 1, 5, 64, positions="shared"),
+    _rope_case("transposed_packed", 2, 4, 2, 9, 128, transposed=True, positions="packed"),
+    _rope_case("llama_8b_packed", 2, 32, 8, 256, 128, transposed=True, gpu_only=True, positions="packed"),
     *[
         Case("add_rms_norm", f"{name}{'-weight' if w else ''}",
              lambda g, s=shape, w=w: ({"x": _randn(g, *s), "residual": _randn(g, *s, scale=2.0),
@@ -329,12 +350,36 @@ def _torch_matmul(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: 
     return acts[activation](z)
 
 
-def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
+def _torch_attention_masked(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+                            window: Any = None, softcap: float | None = None) -> Tensor:
+    """PyTorch in the input dtype with an explicit mask and cap (SDPA takes neither a cap nor an end-aligned mask
+    for Sq ≠ Sk): each product, the cap and the softmax rounded, as a flash kernel rounds P; a query that keeps no
+    key gets 0."""
+    from hkernels.functional import attention as fa
+
+    left, right = fa.window_bounds("attention", window, causal)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    keep = fa.mask(q.shape[2], k.shape[2], causal, left, right, q.device)
+    p = torch.softmax(s.float() if keep is None else s.float().masked_fill(~keep, float("-inf")), -1)
+    if keep is not None:  # a query without keys: 0 (its softmax is 0/0); a NaN score stays NaN
+        p = torch.where(keep.any(-1, keepdim=True), p, 0.0)
+    return torch.matmul(p.to(q.dtype), v)
+
+
+def _torch_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+                     window: Any = None, softcap: float | None = None) -> Tensor:
     """PyTorch's scaled_dot_product_attention in the input dtype (kv heads repeated for grouped queries), on
     copies with row-major strides: on a GPU its memory-efficient kernel raises "query is not correctly aligned"
     for a transposed float32 q and reads out of alignment (a CUDA misaligned-address fault) for a float16 column
     slice; the layout is hkernels' to handle, not the baseline's. ``contiguous()`` is not enough: with one query
     (S = 1) a transposed q counts as contiguous and keeps the odd stride of its size-1 dim, which SDPA checks."""
+    if window is not None or softcap:
+        return _torch_attention_masked(q, k, v, causal, scale, window, softcap)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -365,16 +410,51 @@ def _mm_case(name: str, m: int, k: int, n: int, batch: int = 0, bias: bool = Fal
 
 
 def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, causal: bool = False,
-               transposed: bool = False, scale: float | None = None, gpu_only: bool = False) -> Case:
+               transposed: bool = False, scale: float | None = None, gpu_only: bool = False,
+               **options: Any) -> Case:
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if transposed:  # views of [B, S, H, D] projections
             q = _randn(g, b, s, hq, d).transpose(1, 2)
             k, v = (_randn(g, b, skv, hk, d).transpose(1, 2) for _ in range(2))
         else:
             q, k, v = _randn(g, b, hq, s, d), _randn(g, b, hk, skv, d), _randn(g, b, hk, skv, d)
-        return {"q": q, "k": k, "v": v}, {"causal": causal, "scale": scale}
+        return {"q": q, "k": k, "v": v}, {"causal": causal, "scale": scale, **options}
 
     return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention)
+
+
+def _torch_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None,
+                            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: bool = False,
+                            scale: float | None = None, window: Any = None, softcap: float | None = None) -> Tensor:
+    """:func:`_torch_attention_masked` per sequence (masks aligned at its end), zeros for rows of no sequence."""
+    cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    out = q.new_zeros(q.shape) + q[:0].sum()
+    bq, bk = cu_seqlens_q.tolist(), cu_k.tolist()
+    for qa, qb, ka, kb in zip(bq[:-1], bq[1:], bk[:-1], bk[1:], strict=True):
+        if qb > qa and kb > ka:
+            seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in ((q, qa, qb), (k, ka, kb), (v, ka, kb))]
+            out[qa:qb] = _torch_attention_masked(*seq, causal, scale, window, softcap)[0].transpose(0, 1)
+    return out
+
+
+def _varlen_case(name: str, hq: int, hk: int, d: int, lens_q: list[int], lens_k: list[int] | None = None,
+                 give_max: bool = True, extra_rows: int = 0, gpu_only: bool = False, **options: Any) -> Case:
+    """Packed q [Tq, Hq, D], k/v [Tk, Hk, D] of sequences of the given lengths (k's default to q's: self-attention);
+    ``extra_rows`` rows past the last sequence."""
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        tq = sum(lens_q) + extra_rows
+        tk = sum(lens_k) + extra_rows if lens_k is not None else tq
+        q, k, v = _randn(g, tq, hq, d), _randn(g, tk, hk, d), _randn(g, tk, hk, d)
+        kwargs: dict[str, Any] = {"cu_seqlens_q": cu(lens_q), **options}
+        if lens_k is not None:
+            kwargs["cu_seqlens_k"] = cu(lens_k)
+        if give_max:
+            kwargs["max_seqlen_q"] = max(lens_q)
+            kwargs["max_seqlen_k"] = max(lens_k if lens_k is not None else lens_q)
+        return {"q": q, "k": k, "v": v}, kwargs
+
+    return Case("attention_varlen", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention_varlen)
 
 
 def _torch_grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
@@ -488,6 +568,62 @@ CASES_LLM += [
     _attn_case("scale_negative_causal", 1, 2, 1, 9, 9, 16, causal=True, scale=-0.3),
     _attn_case("llama_causal", 2, 32, 8, 1000, 1000, 128, causal=True, gpu_only=True),
     _attn_case("long_kv", 1, 8, 8, 128, 4099, 64, gpu_only=True),
+    _attn_case("window_causal", 1, 2, 1, 37, 37, 64, causal=True, window=(5, None)),
+    _attn_case("window_two_sided", 1, 2, 2, 33, 33, 32, window=(4, 6)),
+    _attn_case("window_right_only", 1, 2, 1, 20, 20, 16, window=(None, 3)),
+    # wider than two interpreter blocks: a program walks masked, whole and masked key blocks
+    _attn_case("window_wide", 1, 2, 1, 64, 64, 32, causal=True, window=(40, 0)),
+    _attn_case("softcap_cross", 1, 2, 1, 10, 17, 32, softcap=5.0),
+    _attn_case("softcap_window_gqa", 2, 4, 2, 40, 40, 64, causal=True, window=(16, 0), softcap=2.0),
+    _attn_case("mistral_window", 1, 8, 2, 1500, 1500, 128, causal=True, window=(511, 0), gpu_only=True),
+    _attn_case("gemma_softcap", 1, 8, 4, 700, 700, 128, causal=True, window=(255, 0), softcap=50.0,
+               gpu_only=True),
+    _varlen_case("self_causal", 4, 2, 64, [5, 0, 1, 17, 9], causal=True),
+    _varlen_case("cross_end_aligned", 2, 1, 32, [3, 7, 0, 2, 6], [8, 4, 5, 0, 2], causal=True, extra_rows=3),
+    _varlen_case("window_softcap", 2, 2, 64, [20, 13, 31], give_max=False, causal=True, window=(6, 0),
+                 softcap=3.0),
+    _varlen_case("full", 2, 1, 16, [12, 1, 30]),
+    _varlen_case("mixed_docs", 16, 4, 128, [1500, 37, 800, 1, 1000, 750], causal=True, gpu_only=True),
+    _varlen_case("mixed_docs_d64_window", 8, 8, 64, [2000, 300, 1800], causal=True, window=(255, 0),
+                 gpu_only=True),
+]
+
+
+def _decode_case(name: str, b: int, hq: int, hk: int, sq: int, s_max: int, d: int, lens: list[int] | None = None,
+                 transposed: bool = False, int64: bool = False, gpu_only: bool = False, **options: Any) -> Case:
+    """q [B, Hq, Sq, D], caches [B, Hk, S_max, D] (or views of [B, S_max, Hk, D]) whose rows past each length hold
+    NaN (they must never be read), lengths given or drawn in [0, S_max]; forward only."""
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        q = _randn(g, b, hq, sq, d)
+        if transposed:
+            k, v = (_randn(g, b, s_max, hk, d).transpose(1, 2) for _ in range(2))
+        else:
+            k, v = _randn(g, b, hk, s_max, d), _randn(g, b, hk, s_max, d)
+        drawn = torch.tensor(lens) if lens is not None else torch.randint(0, s_max + 1, (b,), generator=g)
+        for i, n in enumerate(drawn.tolist()):
+            k[i, :, max(n, 0):] = float("nan")
+            v[i, :, max(n, 0):] = float("nan")
+        seqlens = drawn.to(torch.int64 if int64 else torch.int32)
+        return {"q": q, "k_cache": k, "v_cache": v}, {"cache_seqlens": seqlens, **options}
+
+    return Case("decode_attention", name, make, (), gpu_only=gpu_only)
+
+
+CASES_LLM += [
+    _decode_case("lengths_0_1_full", 3, 8, 2, 1, 37, 64, lens=[0, 1, 37]),
+    _decode_case("speculative_4", 3, 8, 2, 4, 37, 64, lens=[0, 2, 30]),  # L < Sq: early tokens see nothing
+    _decode_case("d128_window", 3, 8, 2, 4, 45, 128, lens=[45, 7, 3], window=(5, None)),
+    _decode_case("softcap", 2, 4, 4, 2, 50, 64, lens=[50, 17], softcap=5.0),
+    _decode_case("softcap_window_mqa", 2, 4, 1, 3, 40, 32, lens=[40, 9], softcap=2.0, window=(3, 0), scale=0.2),
+    _decode_case("transposed_caches", 2, 8, 2, 2, 33, 64, transposed=True),
+    _decode_case("one_row", 1, 1, 1, 1, 1, 16, lens=[1]),
+    _decode_case("scale_negative", 1, 2, 1, 1, 20, 16, lens=[20], scale=-0.3),
+    _decode_case("int64_lengths", 2, 2, 2, 1, 20, 32, lens=[20, 5], int64=True),
+    _decode_case("rows_past_a_tile", 1, 8, 1, 5, 30, 64, lens=[30]),  # 40 query rows of one kv head
+    _decode_case("spec16_d256", 1, 4, 2, 16, 40, 256, lens=[40]),
+    _decode_case("one_sequence_32k", 1, 32, 8, 1, 32768, 128, lens=[32763], gpu_only=True),
+    _decode_case("batch16_4k", 16, 32, 8, 1, 4096, 128, gpu_only=True),
+    _decode_case("batch4_8k_spec4_gemma", 4, 16, 8, 4, 8192, 256, window=(4095, 0), softcap=50.0, gpu_only=True),
 ]
 if not ON_GPU:
     CASES_LLM = [c for c in CASES_LLM if not c.gpu_only]

@@ -48,6 +48,13 @@ GOOD: dict[str, tuple[Callable[[torch.device], dict[str, Any]], str, str | None]
         lambda d: {"hidden": _f(d, 3, 4), "weight": _f(d, 10, 4), "target": _idx(d, 3, 10)}, "hidden", "weight"),
     "matmul": (lambda d: {"a": _f(d, 3, 4), "b": _f(d, 4, 5)}, "a", "b"),
     "attention": (lambda d: {"q": _f(d, 1, 2, 3, 16), "k": _f(d, 1, 1, 3, 16), "v": _f(d, 1, 1, 3, 16)}, "q", "k"),
+    "attention_varlen": (lambda d: {"q": _f(d, 5, 2, 16), "k": _f(d, 5, 1, 16), "v": _f(d, 5, 1, 16),
+                                    "cu_seqlens_q": torch.tensor([0, 2, 5], dtype=torch.int32, device=d)},
+                         "q", "k"),
+    "decode_attention": (lambda d: {"q": _f(d, 2, 2, 1, 16), "k_cache": _f(d, 2, 1, 5, 16),
+                                    "v_cache": _f(d, 2, 1, 5, 16),
+                                    "cache_seqlens": torch.tensor([5, 2], dtype=torch.int32, device=d)},
+                         "q", "k_cache"),
     "grouped_matmul": (lambda d: {"x": _f(d, 5, 4), "weight": _f(d, 2, 3, 4),
                                   "group_sizes": torch.tensor([2, 3], device=d)}, "x", "weight"),
     "moe": (lambda d: {"x": _f(d, 3, 4), "gate_up_proj": _f(d, 2, 6, 4), "down_proj": _f(d, 2, 4, 3),
@@ -69,7 +76,7 @@ def _cells() -> list[Any]:
             out += [pytest.param(op, cell, id=f"{op}-{cell}") for cell in ("shape_mismatch", "device_mix")]
             if op not in ("rms_norm", "layer_norm", "add_rms_norm"):  # norms take parameters of another dtype
                 out.append(pytest.param(op, "dtype_mix", id=f"{op}-dtype_mix"))
-        if op in ("rope", "attention"):
+        if op in ("rope", "attention", "attention_varlen", "decode_attention"):
             out.append(pytest.param(op, "unsupported_head_dim", id=f"{op}-unsupported_head_dim"))
     return out
 
@@ -110,6 +117,12 @@ def _bad_call(op: str, cell: str, d: torch.device) -> tuple[dict[str, Any], str 
         if op == "rope":
             args = {"q": _f(d, 1, 2, 3, 5), "k": _f(d, 1, 1, 3, 5), "cos": _f(d, 3, 5), "sin": _f(d, 3, 5)}
             return args, None, ValueError, named + r"the head dim D must be even"
+        if op == "attention_varlen":
+            args.update(q=_f(d, 5, 2, 256), k=_f(d, 5, 1, 256), v=_f(d, 5, 1, 256))
+            return args, None, ValueError, named + r"head dim D must be one of \(16, 32, 64, 128\), got 256"
+        if op == "decode_attention":
+            args.update(q=_f(d, 2, 2, 1, 48), k_cache=_f(d, 2, 1, 5, 48), v_cache=_f(d, 2, 1, 5, 48))
+            return args, None, ValueError, named + r"head dim D must be one of \(16, 32, 64, 128, 256\), got 48"
         args = {"q": _f(d, 1, 2, 3, 256), "k": _f(d, 1, 1, 3, 256), "v": _f(d, 1, 1, 3, 256)}
         return args, "triton", (ValueError, hkernels.BackendUnavailableError), named + r".*(head dim|D\b)"
     raise AssertionError(cell)
@@ -171,6 +184,38 @@ def test_moe_routing_is_checked(change, error, pattern, device):
         hkernels.moe(**args)
 
 
+@pytest.mark.parametrize(("change", "error", "pattern"), [
+    (lambda a: {"position_ids": a["position_ids"].float()}, TypeError, r"position_ids must be an int32 or int64 "
+     r"tensor, got torch\.float32"),
+    (lambda a: {"position_ids": a["position_ids"].to(torch.int16)}, TypeError, r"position_ids must be an int32 or "
+     r"int64 tensor, got torch\.int16"),
+    (lambda a: {"position_ids": a["position_ids"].tolist()}, TypeError, r"position_ids must be an int32 or int64 "
+     r"tensor, got list"),
+    (lambda a: {"position_ids": a["position_ids"][:2]}, ValueError, r"position_ids must be \[S\] = \[3\] or "
+     r"\[B, S\] = \[1, 3\] \(or \[1, S\]\) to match q \[1, 2, 3, 4\], got \[2\]"),
+    (lambda a: {"position_ids": a["position_ids"].expand(2, 3)}, ValueError, r"position_ids must be .*, got \[2, 3\]"),
+    (lambda a: {"position_ids": a["position_ids"][None, None]}, ValueError,
+     r"position_ids must be .*, got \[1, 1, 3\]"),
+    (lambda a: {"position_ids": a["position_ids"].to("meta")}, ValueError, r"position_ids is on meta"),
+    (lambda a: {"cos": a["cos"][None], "sin": a["sin"][None]}, ValueError, r"with position_ids, cos must be a table "
+     r"\[P, D\] with D = 4 .*, got \[1, 6, 4\]"),
+    (lambda a: {"sin": a["sin"][:, :2]}, ValueError, r"with position_ids, sin must be a table \[P, D\] with D = 4"),
+    (lambda a: {"sin": a["sin"][:5]}, ValueError, r"cos and sin must have the same shape, got \[6, 4\] and \[5, 4\]"),
+    (lambda a: {"cos": a["cos"][:0], "sin": a["sin"][:0]}, ValueError, r"cos and sin have no rows \(P = 0\)"),
+], ids=["ids_float", "ids_int16", "ids_list", "ids_length", "ids_batch", "ids_3d", "ids_device", "table_3d",
+        "table_d", "tables_differ", "table_empty"])
+def test_rope_positions_are_checked(change, error, pattern, device):
+    """With position_ids, the tables are [P, D] and the positions an integer [S] or [B, S] on q's device, checked on
+    the host with the op named; their values are not (a host sync): a position outside [0, P) gives NaN rows."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args = GOOD["rope"][0](device)
+    args.update(cos=_f(device, 6, 4), sin=_f(device, 6, 4), position_ids=torch.tensor([0, 1, 5], device=device))
+    args.update(change(args))
+    with pytest.raises(error, match=r"hkernels\.rope: " + pattern):
+        hkernels.rope(**args)
+
+
 @pytest.mark.parametrize("eps", [0.0, -1e-6, 0, math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
 def test_eps_must_be_finite_and_positive(op, eps, device):
@@ -183,6 +228,84 @@ def test_eps_must_be_finite_and_positive(op, eps, device):
 def test_eps_of_int_type_is_accepted(device):
     args = GOOD["rms_norm"][0](device)
     torch.testing.assert_close(hkernels.rms_norm(**args, eps=1), references.rms_norm(**args, eps=1))
+
+
+@pytest.mark.parametrize(("change", "error", "pattern"), [
+    (lambda a: {"q": a["q"][0]}, ValueError, r"q must be 4-d, got shape \[2, 1, 16\]"),
+    (lambda a: {"k_cache": a["k_cache"][0], "v_cache": a["v_cache"][0]}, ValueError, r"k_cache must be 4-d"),
+    (lambda a: {"v_cache": a["v_cache"][:, :, :4]}, ValueError, r"k_cache and v_cache must have the same shape"),
+    (lambda a: {"k_cache": a["k_cache"][:1], "v_cache": a["v_cache"][:1]}, ValueError,
+     r".*k_cache .* must agree on B and D"),
+    (lambda a: {"q": _f(a["q"].device, 2, 3, 1, 16), "k_cache": _f(a["q"].device, 2, 2, 5, 16),
+                "v_cache": _f(a["q"].device, 2, 2, 5, 16)}, ValueError,
+     r"the query heads \(3\) must be a multiple of the key/value heads \(2\)"),
+    (lambda a: {"cache_seqlens": a["cache_seqlens"][:1]}, ValueError,
+     r"cache_seqlens must be \[B\] = \[2\] .*got \[1\]"),
+    (lambda a: {"cache_seqlens": a["cache_seqlens"][None]}, ValueError, r"cache_seqlens must be \[B\] = \[2\]"),
+    (lambda a: {"cache_seqlens": a["cache_seqlens"].float()}, TypeError,
+     r"cache_seqlens must be an int32 or int64 tensor, got torch\.float32"),
+    (lambda a: {"cache_seqlens": a["cache_seqlens"].to(torch.int16)}, TypeError,
+     r"cache_seqlens must be an int32 or int64 tensor, got torch\.int16"),
+    (lambda a: {"cache_seqlens": [5, 2]}, TypeError, r"cache_seqlens must be an int32 or int64 tensor, got list"),
+    (lambda a: {"cache_seqlens": a["cache_seqlens"].to("meta")}, ValueError, r"cache_seqlens is on meta"),
+    (lambda a: {"window": (-1, None)}, ValueError, r"window sides must be ints >= 0 or None, got \(-1, None\)"),
+    (lambda a: {"window": (2.5, 0)}, ValueError, r"window sides must be ints >= 0 or None"),
+    (lambda a: {"window": 4}, TypeError, r"window must be None or \(left, right\), got 4"),
+    (lambda a: {"softcap": 0.0}, ValueError, r"softcap must be a finite number greater than 0, got 0\.0"),
+    (lambda a: {"softcap": -5.0}, ValueError, r"softcap must be a finite number greater than 0"),
+    (lambda a: {"softcap": math.inf}, ValueError, r"softcap must be a finite number greater than 0"),
+    (lambda a: {"softcap": "5"}, TypeError, r"softcap must be a float or None, got str"),
+    (lambda a: {"scale": "0.1"}, TypeError, r"scale must be a float or None, got str"),
+], ids=["q_3d", "cache_3d", "caches_differ", "batch", "heads", "lengths_short", "lengths_2d", "lengths_float",
+        "lengths_int16", "lengths_list", "lengths_device", "window_negative", "window_float", "window_int",
+        "softcap_zero", "softcap_negative", "softcap_inf", "softcap_str", "scale_str"])
+def test_decode_attention_arguments_are_checked(change, error, pattern, device):
+    """Shapes, heads, the lengths' type, shape and device, the window and the softcap are checked on the host with
+    the op named; the lengths' values are not (a host sync): they are clamped to [0, S_max], as documented."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args = GOOD["decode_attention"][0](device)
+    args.update(change(args))
+    with pytest.raises(error, match=r"hkernels\.decode_attention: " + pattern):
+        hkernels.decode_attention(**args)
+
+
+@pytest.mark.parametrize(("op", "change", "error", "pattern"), [
+    ("attention", lambda a: {"window": (-2, 0)}, ValueError, r"window's left must be >= 0, or None / -1"),
+    ("attention", lambda a: {"window": (1.5, 0)}, TypeError, r"window's left must be an int"),
+    ("attention", lambda a: {"window": 3}, TypeError, r"window must be \(left, right\) or None, got 3"),
+    ("attention", lambda a: {"softcap": -1.0}, ValueError, r"softcap must be a finite float > 0"),
+    ("attention", lambda a: {"softcap": math.inf}, ValueError, r"softcap must be a finite float > 0"),
+    ("attention", lambda a: {"softcap": "5"}, TypeError, r"softcap must be a float or None, got str"),
+    ("attention", lambda a: {"k": a["k"][:, :, :2], "v": a["v"][:, :, :2], "window": (1, 1)}, ValueError,
+     r"causal=True or a window needs as many queries as keys"),
+    ("attention_varlen", lambda a: {"cu_seqlens_q": a["cu_seqlens_q"].float()}, ValueError,
+     r"cu_seqlens_q must be 1-D int32 \(or int64\)"),
+    ("attention_varlen", lambda a: {"cu_seqlens_q": a["cu_seqlens_q"][None]}, ValueError,
+     r"cu_seqlens_q must be 1-D int32"),
+    ("attention_varlen", lambda a: {"cu_seqlens_q": [0, 2, 5]}, TypeError, r"cu_seqlens_q must be a tensor, got list"),
+    ("attention_varlen", lambda a: {"cu_seqlens_q": a["cu_seqlens_q"].to("meta")}, ValueError,
+     r"cu_seqlens_q is on meta"),
+    ("attention_varlen", lambda a: {"cu_seqlens_k": a["cu_seqlens_q"][:2]}, ValueError,
+     r"cu_seqlens_q and cu_seqlens_k must both be \[N \+ 1\]"),
+    ("attention_varlen", lambda a: {"k": a["k"][:4], "v": a["v"][:4]}, ValueError,
+     r"without cu_seqlens_k, k must have as many rows as q"),
+    ("attention_varlen", lambda a: {"max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be an int >= 0 or None"),
+    ("attention_varlen", lambda a: {"q": a["q"][None]}, ValueError, r"q must be 3-d"),
+    ("attention_varlen", lambda a: {"window": (-3, None)}, ValueError, r"window's left must be >= 0"),
+    ("attention_varlen", lambda a: {"softcap": 0.0 - 2}, ValueError, r"softcap must be a finite float > 0"),
+], ids=["window_negative", "window_float", "window_int", "softcap_negative", "softcap_inf", "softcap_str",
+        "window_cross", "cu_float", "cu_2d", "cu_list", "cu_device", "cu_lengths_differ", "k_rows", "max_negative",
+        "q_4d", "varlen_window", "varlen_softcap"])
+def test_attention_options_are_checked(op, change, error, pattern, device):
+    """The window, the cap and the packed layout's bounds are checked on the host with the op named; the bounds'
+    values are not (a host sync): the kernels clamp them to the rows that exist."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args = GOOD[op][0](device)
+    args.update(change(args))
+    with pytest.raises(error, match=rf"hkernels\.{op}: " + pattern):
+        getattr(hkernels, op)(**args)
 
 
 # Cells with a right answer: the op's fuzz maker with the choices fixed, checked as the fuzzing checks.

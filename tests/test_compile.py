@@ -87,6 +87,8 @@ def _llm_inputs(op: str, device: torch.device) -> tuple[list[torch.Tensor], list
         "fused_linear_cross_entropy": [t(6, 16), t(40, 16, scale=0.25), target],
         "matmul": [t(2, 5, 16), t(2, 16, 12, scale=0.25), t(12)],
         "attention": [t(1, 4, 9, 16), t(1, 2, 9, 16), t(1, 2, 9, 16)],
+        "attention_varlen": [t(11, 4, 16), t(11, 2, 16), t(11, 2, 16),
+                             torch.tensor([0, 4, 4, 11], dtype=torch.int32, device=device)],
         "grouped_matmul": [t(9, 16), t(3, 12, 16, scale=0.25), torch.tensor([4, 0, 5], device=device)],
         "moe": [t(7, 16), t(3, 24, 16, scale=0.25), t(3, 16, 12, scale=0.25),
                 torch.tensor([[0, 2], [2, 2], [1, 0], [0, 1], [2, 0], [1, 1], [0, 2]], device=device),
@@ -101,8 +103,9 @@ def _llm_sum(out) -> torch.Tensor:
 
 
 LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "matmul",
-           "attention", "grouped_matmul", "moe"]
-LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True}}
+           "attention", "attention_varlen", "grouped_matmul", "moe"]
+LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True},
+              "attention_varlen": {"causal": True, "window": (3, None), "softcap": 5.0}}
 
 
 def _assert_unchanged(op: str, phase: str, inputs: list[torch.Tensor], before: list[torch.Tensor]) -> None:
@@ -168,7 +171,9 @@ def test_llm_custom_op_registration(op, fused, device):
             ops.fused_linear_cross_entropy_fwd.default, (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, "")
         ),
         "matmul": lambda a: (ops.matmul_fwd.default, (a[0], a[1], a[2], "silu", True, "")),
-        "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, "")),
+        "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, -1, 0, 0.0, "")),
+        "attention_varlen": lambda a: (ops.attention_varlen_fwd.default,
+                                       (a[0], a[1], a[2], a[3], a[3], 7, 7, True, 0.25, 3, 0, 5.0, "")),
         "grouped_matmul": lambda a: (ops.grouped_matmul_fwd.default, (a[0], a[1], a[2], "")),
         "moe": lambda a: (ops.moe_fwd.default, (a[0], a[1], a[2], a[3], a[4], True, "")),
     }[op](inputs)

@@ -36,8 +36,9 @@ def _x(device: torch.device, n: int = 16) -> torch.Tensor:
 
 def test_ops_lists_every_op():
     assert hkernels.ops() == [
-        "add_rms_norm", "attention", "cross_entropy", "fused_linear_cross_entropy", "geglu", "grouped_matmul",
-        "layer_norm", "matmul", "moe", "rms_norm", "rope", "softmax", "swiglu",
+        "add_rms_norm", "attention", "attention_varlen", "cross_entropy", "decode_attention",
+        "fused_linear_cross_entropy", "geglu",
+        "grouped_matmul", "layer_norm", "matmul", "moe", "rms_norm", "rope", "softmax", "swiglu",
     ]
 
 

@@ -151,6 +151,53 @@ def test_rope_gradients_for_learned_tables(backend, device):
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_rope_gradients_for_learned_tables_at_positions(backend, device):
+    """Tables [P, D] read at packed positions (a row read by several tokens sums their gradients)."""
+    q = torch.randn(2, 3, 5, 8, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 5, 8, device=device, requires_grad=True)
+    cos = torch.randn(9, 8, device=device, requires_grad=True)
+    sin = torch.randn(9, 8, device=device, requires_grad=True)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1], [4, 5, 6, 7, 8]], device=device)
+    with hkernels.use_backend(backend):
+        qr, kr = hkernels.rope(q, k, cos, sin, position_ids)
+    (qr.sum() * 2 + (kr * kr).sum()).backward()
+    got = [t.grad.clone() for t in (q, k, cos, sin)]
+    for t in (q, k, cos, sin):
+        t.grad = None
+    qr, kr = references.rope(q, k, cos, sin, position_ids)
+    (qr.sum() * 2 + (kr * kr).sum()).backward()
+    for g, t in zip(got, (q, k, cos, sin), strict=True):
+        torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("backend", [*KERNEL_BACKENDS, "torch"])
+def test_rope_positions_outside_the_table_give_nan_rows(backend, ids_dtype, device):
+    """No host sync checks the positions: a token whose position is outside [0, P) gets NaN q_rot, k_rot and
+    gradients (never a row read out of bounds, nor a negative position wrapping to the table's end); every other
+    token is finite and right."""
+    q = torch.randn(2, 3, 6, 8, device=device, requires_grad=True)
+    k = torch.randn(2, 1, 6, 8, device=device, requires_grad=True)
+    angles = torch.randn(10, 8, device=device)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    position_ids = torch.tensor([[0, 3, -1, 9, 10, 2], [1000, 0, 1, 2, 3, -7]], device=device, dtype=ids_dtype)
+    outside = torch.tensor([[0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], device=device, dtype=torch.bool)
+    with hkernels.use_backend(backend):
+        qr, kr = hkernels.rope(q, k, cos, sin, position_ids)
+    (qr.sum() + kr.sum()).backward()
+    want_q, want_k = references.rope(q.detach(), k.detach(), cos, sin, position_ids)
+    for name, got, want in (("q_rot", qr, want_q), ("k_rot", kr, want_k), ("dq", q.grad, None),
+                            ("dk", k.grad, None)):
+        nan_tokens = torch.isnan(got).all(-1)  # [B, H, S]
+        finite_tokens = torch.isfinite(got).all(-1)
+        assert torch.equal(nan_tokens, outside[:, None].expand_as(nan_tokens)), name
+        assert torch.equal(finite_tokens, ~nan_tokens), name
+        if want is not None:
+            assert torch.equal(torch.isnan(want), torch.isnan(got)), name
+            torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def _t(d, *shape, dtype=torch.float32):
     return torch.ones(shape, device=d, dtype=dtype)
 
@@ -373,3 +420,32 @@ def test_helion_softmax_takes_64_bit_indices_for_rows_reaching_past_int32(n, dev
                                atol=1e-6, rtol=1e-5)
     used = {key[0] for key in _helion._compiled}
     assert len(used) == 2 and used <= set(h_sm._WIDE.values())
+
+
+@pytest.mark.parametrize("backend", [*KERNEL_BACKENDS, "torch"])
+def test_attention_varlen_keeps_each_sequence_to_itself(backend, device):
+    """A NaN in one packed sequence's q, k or v reaches no other sequence, forward or backward, and bounds past the
+    rows that exist are clamped (rows of no sequence: zeros, and zero gradients)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(40, 2, 16, generator=g).to(device) for _ in range(3))
+    cu = torch.tensor([0, 13, 30, 55], dtype=torch.int32, device=device)  # the last ends past the 40 rows
+    clean = [t.clone().requires_grad_() for t in (q, k, v)]
+    poisoned = [t.clone() for t in (q, k, v)]
+    for t in poisoned:
+        t[20] = float("nan")  # inside the second sequence, rows 13..29
+    poisoned = [t.requires_grad_() for t in poisoned]
+    outs = []
+    for ins in (clean, poisoned):
+        with hkernels.use_backend(backend):
+            o = hkernels.attention_varlen(*ins, cu, max_seqlen_q=25, causal=True, window=(6, 0), softcap=4.0)
+        o.backward(torch.ones_like(o))
+        outs.append(o.detach())
+    ref = references.attention_varlen(*(t.detach().double() for t in clean), cu, causal=True, window=(6, 0),
+                                      softcap=4.0)
+    others = torch.cat([torch.arange(0, 13), torch.arange(30, 40)]).to(device)
+    torch.testing.assert_close(outs[0].double(), ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs[1][others], outs[0][others])
+    assert not torch.isfinite(outs[1][20]).any()
+    for c, p in zip(clean, poisoned, strict=True):
+        assert torch.isfinite(p.grad[others]).all()
+        torch.testing.assert_close(p.grad[others], c.grad[others], atol=0, rtol=0)

@@ -33,6 +33,7 @@ from tests.conftest import ON_GPU
 from tests.specs import (
     TOLERANCES,
     _torch_attention,
+    _torch_attention_varlen,
     _torch_chunked_linear_ce,
     _torch_grouped_matmul,
     _torch_matmul,
@@ -193,7 +194,30 @@ def _attention(d: Draw) -> Made:
         skv = s  # causal attention here is self-attention (a query sees keys up to its own position)
     tensors = {"q": d.main(b, hk * group, s, dim), "k": d.randn(b, hk, skv, dim), "v": d.randn(b, hk, skv, dim)}
     scale = d.pick([None, 0.3, 0.0, -0.5], "scale")
-    return tensors, {"causal": causal, "scale": scale}, ("q", "k", "v"), _torch_attention
+    kwargs = {"causal": causal, "scale": scale, "softcap": d.pick([None, 4.0], "softcap")}
+    if s == skv:
+        kwargs["window"] = d.pick([None, (3, None), (0, 5), (2, 0)], "window")
+    return tensors, kwargs, ("q", "k", "v"), _torch_attention
+
+
+def _attention_varlen(d: Draw) -> Made:
+    # first options: 3 sequences, one of each length kind (the fixed cells)
+    hk, group, dim = d.pick([2, 1], "kv heads"), d.pick([2, 1, 3], "group"), d.pick([64, 16, 128], "dim")
+    lens_q = [d.pick([5, 0, 1, 33], f"q length {i}") for i in range(d.pick([3, 1, 5], "sequences"))]
+    cross = d.pick([False, True], "cross")
+    lens_k = [d.pick([7, 0, 1, 40], f"k length {i}") for i in range(len(lens_q))] if cross else lens_q
+    tail = d.pick([0, 3], "rows past the sequences")
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    tq, tk = sum(lens_q) + tail, sum(lens_k) + tail
+    tensors = {"q": d.main(tq, hk * group, dim), "k": d.randn(tk, hk, dim), "v": d.randn(tk, hk, dim)}
+    kwargs: dict[str, Any] = {"cu_seqlens_q": cu(lens_q), "causal": d.pick([True, False], "causal"),
+                              "scale": d.pick([None, 0.3, -0.5], "scale"), "softcap": d.pick([None, 4.0], "softcap"),
+                              "window": d.pick([None, (3, None), (2, 0)], "window")}
+    if cross:
+        kwargs["cu_seqlens_k"] = cu(lens_k)
+    if d.pick([True, False], "max given"):
+        kwargs["max_seqlen_q"], kwargs["max_seqlen_k"] = max(lens_q), max(lens_k)
+    return tensors, kwargs, ("q", "k", "v"), _torch_attention_varlen
 
 
 def _grouped_matmul(d: Draw) -> Made:
@@ -221,6 +245,28 @@ def _moe(d: Draw) -> Made:
     return tensors, {"topk_ids": ids}, ("x", "gate_up_proj", "down_proj", "topk_weights"), _torch_moe
 
 
+def _decode_attention(d: Draw) -> Made:
+    # first options: 3 sequences of 2 kv heads × 4 query heads, one new token, lengths drawn (the fixed cells)
+    b, hk, group = d.pick([3, 1, 2], "batch"), d.pick([2, 1], "kv heads"), d.pick([4, 1, 3], "group")
+    sq, s_max = d.pick([1, 2, 4, 16], "seq"), d.pick([37, 1, 7, 130], "kv seq")
+    dim = d.pick([64, 16, 128, 256], "dim")
+    q = d.main(b, hk * group, sq, dim)
+    if d.pick([False, True], "bshd"):  # caches as views of [B, S_max, Hk, D]
+        k, v = (d.randn(b, s_max, hk, dim).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = d.randn(b, hk, s_max, dim), d.randn(b, hk, s_max, dim)
+    lengths = torch.randint(0, s_max + 1, (b,), generator=d.gen)
+    if d.pick([False, True], "empty sequence"):
+        lengths[0] = 0
+    for i, n in enumerate(lengths.tolist()):  # rows past a length are never read: NaN there must not show
+        k[i, :, n:] = math.nan
+        v[i, :, n:] = math.nan
+    kwargs = {"cache_seqlens": lengths.to(d.pick([torch.int32, torch.int64], "lengths dtype")),
+              "scale": d.pick([None, 0.3, -0.5], "scale"), "window": d.pick([None, (3, None), (0, 0)], "window"),
+              "softcap": d.pick([None, 5.0], "softcap")}
+    return {"q": q, "k_cache": k, "v_cache": v}, kwargs, (), None
+
+
 MAKERS: dict[str, Callable[[Draw], Made]] = {
     "rms_norm": _norm("rms_norm"),
     "layer_norm": _norm("layer_norm"),
@@ -235,6 +281,8 @@ MAKERS: dict[str, Callable[[Draw], Made]] = {
     "grouped_matmul": _grouped_matmul,
     "moe": _moe,
     "attention": _attention,
+    "attention_varlen": _attention_varlen,
+    "decode_attention": _decode_attention,
 }
 
 
@@ -369,7 +417,7 @@ def run_case(op: str, backend: str, d: Draw, device: torch.device) -> None:
     # Attention's gradients with a non-finite score are not compared: which keys and heads turn NaN then depends on
     # the algorithm (masked scores as -inf, blocks skipped), and PyTorch's own SDPA and its composite formula
     # disagree with each other there (a documented exception, README "Test").
-    if not (op == "attention" and d.regime == "special"):
+    if not (op in ("attention", "attention_varlen") and d.regime == "special"):
         problems += [check(f"d{n}", g, r, b, dtype, terms, exact_kinds=False)
                      for n, g, r, b in zip(grads, dgrads, ref_grads, base_grads, strict=True)]
     problems = [p for p in problems if p]

@@ -54,15 +54,17 @@ def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch)
             ups.append(torch.ones_like(o))
         else:
             ups.append(torch.randn(o.shape, generator=g, dtype=torch.float64).to(device=device, dtype=o.dtype))
-    grads = torch.autograd.grad(outs, [ins[n] for n in case.grads], ups)  # outside the scope: follows the forward
+    # (outside the scope: the backward follows the forward; a forward-only op names no gradients)
+    grads = torch.autograd.grad(outs, [ins[n] for n in case.grads], ups) if case.grads else ()
 
     ins64 = {k: v.detach().double().requires_grad_(k in case.grads) for k, v in inputs.items()}
     refs = _outputs(getattr(references, case.op)(**ins64, **kwargs))
-    ref_grads = torch.autograd.grad(refs, [ins64[n] for n in case.grads], [u.double() for u in ups])
+    ref_grads = (torch.autograd.grad(refs, [ins64[n] for n in case.grads], [u.double() for u in ups]) if case.grads
+                 else ())
 
     base_ins = _leaves(inputs, case.grads)
     bases = _outputs((case.base or getattr(references, case.op))(**base_ins, **kwargs))
-    base_grads = torch.autograd.grad(bases, [base_ins[n] for n in case.grads], ups)
+    base_grads = torch.autograd.grad(bases, [base_ins[n] for n in case.grads], ups) if case.grads else ()
 
     problems = []
     for i, (o, r, b) in enumerate(zip(outs, refs, bases, strict=True)):

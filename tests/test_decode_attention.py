@@ -1,0 +1,128 @@
+"""decode_attention beyond the shared suite: cache rows past each length are never read, the split plan fills the
+GPU, the op traces under torch.compile, and a call never syncs the host."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import hkernels
+from hkernels import references
+from tests.conftest import ON_GPU
+from tests.specs import TOLERANCES, max_error
+from triton_fallback import decode_attention as t_decode
+
+BACKENDS = ["helion", "triton", "torch"]
+
+
+def _inputs(device: torch.device, dtype: torch.dtype, b: int = 4, hq: int = 8, hk: int = 2, sq: int = 4,
+            s_max: int = 70, d: int = 64, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k, v = (torch.randn(b, hk, s_max, d, generator=g) for _ in range(2))
+    lengths = torch.tensor([s_max, 0, 2, 37][:b], dtype=torch.int32)  # full, empty, shorter than Sq, partial
+    return *(t.to(device=device, dtype=dtype) for t in (q, k, v)), lengths.to(device)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_past_each_length_are_never_read(backend, dtype, device):
+    """NaN and ±inf in every cache row at or past L_b change nothing: the output is bitwise the one of the clean
+    cache, finite, within tolerance of the float64 reference, and exactly 0 for a query that sees no key (an
+    empty cache; tokens 0 and 1 of a cache of 2 rows with 4 new tokens)."""
+    q, k, v, lengths = _inputs(device, dtype)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for i, n in enumerate(lengths.tolist()):
+        poisoned_k[i, :, n:] = math.nan
+        poisoned_v[i, :, n:] = math.inf if i % 2 else -math.inf
+        poisoned_v[i, :, n::3] = math.nan
+    with hkernels.use_backend(backend):
+        clean = hkernels.decode_attention(q, k, v, lengths, window=(20, None), softcap=30.0)
+        out = hkernels.decode_attention(q, poisoned_k, poisoned_v, lengths, window=(20, None), softcap=30.0)
+    assert torch.isfinite(out).all(), f"{backend}: a poisoned row was read"
+    assert torch.equal(out, clean)
+    assert not out[1].any() and not out[2, :, :2].any(), "a query that sees no key must give zeros"
+    ref = references.decode_attention(q.double(), k.double(), v.double(), lengths, window=(20, None), softcap=30.0)
+    base = references.decode_attention(q, k, v, lengths, window=(20, None), softcap=30.0)
+    problem = max_error("out", out, ref, base, dtype)
+    assert problem is None, problem
+
+
+def test_a_full_cache_of_new_tokens_is_causal_attention(device):
+    """Sq = L = S_max: every new token at its own position, which is causal self-attention."""
+    q, k, v, _ = _inputs(device, torch.float32, b=2, sq=33, s_max=33)
+    lengths = torch.full((2,), 33, dtype=torch.int32, device=device)
+    want = references.attention(q.double(), k.double(), v.double(), causal=True)
+    for backend in BACKENDS:
+        with hkernels.use_backend(backend):
+            got = hkernels.decode_attention(q, k, v, lengths)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
+
+
+def test_the_split_plan_fills_the_gpu(monkeypatch):
+    """One sequence of 128k tokens with 8 key/value heads: about two programs per multiprocessor of an H200, chunks
+    a multiple of the step; a batch that fills the GPU by itself is not split; a short cache is not cut below the
+    minimum chunk."""
+    monkeypatch.setattr(t_decode, "num_sms", lambda device: 132)
+    gpu = torch.device("cuda")
+    ns, chunk = t_decode.split_plan(8, 131072, 64, 256, 2, gpu)
+    assert 8 * ns >= 2 * 132 and chunk % 64 == 0 and (ns - 1) * chunk < 131072 <= ns * chunk
+    assert t_decode.split_plan(64 * 8, 131072, 64, 256, 2, gpu) == (1, 131072)
+    ns, chunk = t_decode.split_plan(8, 1000, 64, 256, 2, gpu)
+    assert chunk >= 256 and ns * chunk >= 1000 and ns <= 4
+
+
+def test_result_needs_no_gradient(device):
+    q, k, v, lengths = _inputs(device, torch.float32, b=1)
+    out = hkernels.decode_attention(q.requires_grad_(), k, v, lengths)
+    assert not out.requires_grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_fullgraph_matches_eager(backend, device):
+    """torch.compile(fullgraph=True) traces through the custom op (its fake gives the shape): no graph break."""
+    torch._dynamo.reset()
+    q, k, v, lengths = _inputs(device, torch.float32)
+
+    def f(q, k, v, lengths):
+        return hkernels.decode_attention(q * 2, k, v, lengths, window=(9, None), softcap=5.0).sum(-1)
+
+    with hkernels.use_backend(backend):
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, lengths)
+        want = f(q, k, v, lengths)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_with_inductor(device):
+    torch._dynamo.reset()
+    q, k, v, lengths = _inputs(device, torch.float32)
+
+    def f(q, k, v, lengths):
+        return hkernels.decode_attention(q * 2, k, v, lengths, softcap=5.0).sum(-1)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v, lengths), f(q, k, v, lengths), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_custom_op_registration(device):
+    """torch.library's checks of hkernels::decode_attention_fwd: schema, fake kernel against the real one."""
+    q, k, v, lengths = _inputs(device, torch.float32, b=2)
+    torch.library.opcheck(torch.ops.hkernels.decode_attention_fwd.default, (q, k, v, lengths, 0.125, -1, 0.0, ""))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a host sync is a CUDA notion")
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_a_call_never_syncs_the_host(backend, device):
+    """The lengths are read on the device: with CUDA's sync debug mode set to error, a call (after the first,
+    which compiles) raises nothing."""
+    q, k, v, lengths = _inputs(device, torch.bfloat16, b=4, hq=32, hk=8, sq=1, s_max=4096, d=128)
+    with hkernels.use_backend(backend):
+        hkernels.decode_attention(q, k, v, lengths)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hkernels.decode_attention(q, k, v, lengths)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
