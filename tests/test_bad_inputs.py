@@ -248,17 +248,17 @@ def test_eps_of_int_type_is_accepted(device):
      r"cache_seqlens must be an int32 or int64 tensor, got torch\.int16"),
     (lambda a: {"cache_seqlens": [5, 2]}, TypeError, r"cache_seqlens must be an int32 or int64 tensor, got list"),
     (lambda a: {"cache_seqlens": a["cache_seqlens"].to("meta")}, ValueError, r"cache_seqlens is on meta"),
-    (lambda a: {"window": (-1, None)}, ValueError, r"window sides must be ints >= 0 or None, got \(-1, None\)"),
-    (lambda a: {"window": (2.5, 0)}, ValueError, r"window sides must be ints >= 0 or None"),
-    (lambda a: {"window": 4}, TypeError, r"window must be None or \(left, right\), got 4"),
-    (lambda a: {"softcap": 0.0}, ValueError, r"softcap must be a finite number greater than 0, got 0\.0"),
-    (lambda a: {"softcap": -5.0}, ValueError, r"softcap must be a finite number greater than 0"),
-    (lambda a: {"softcap": math.inf}, ValueError, r"softcap must be a finite number greater than 0"),
+    (lambda a: {"window": (-2, None)}, ValueError, r"window's left must be >= 0, or None / -1 \(unbounded\), got -2"),
+    (lambda a: {"window": (2.5, 0)}, TypeError, r"window's left must be an int, None or -1"),
+    (lambda a: {"window": 4}, TypeError, r"window must be \(left, right\) or None, got 4"),
+    (lambda a: {"softcap": math.nan}, ValueError, r"softcap must be a finite float > 0 \(0 or None: no cap\), got nan"),
+    (lambda a: {"softcap": -5.0}, ValueError, r"softcap must be a finite float > 0"),
+    (lambda a: {"softcap": math.inf}, ValueError, r"softcap must be a finite float > 0"),
     (lambda a: {"softcap": "5"}, TypeError, r"softcap must be a float or None, got str"),
     (lambda a: {"scale": "0.1"}, TypeError, r"scale must be a float or None, got str"),
 ], ids=["q_3d", "cache_3d", "caches_differ", "batch", "heads", "lengths_short", "lengths_2d", "lengths_float",
         "lengths_int16", "lengths_list", "lengths_device", "window_negative", "window_float", "window_int",
-        "softcap_zero", "softcap_negative", "softcap_inf", "softcap_str", "scale_str"])
+        "softcap_nan", "softcap_negative", "softcap_inf", "softcap_str", "scale_str"])
 def test_decode_attention_arguments_are_checked(change, error, pattern, device):
     """Shapes, heads, the lengths' type, shape and device, the window and the softcap are checked on the host with
     the op named; the lengths' values are not (a host sync): they are clamped to [0, S_max], as documented."""

@@ -65,8 +65,8 @@ def softcap_value(op: str, softcap: Any) -> float:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"hkernels.{op}: softcap must be a float or None, got {type(softcap).__name__}")
-    if not (softcap >= 0 and softcap < float("inf")):
-        raise ValueError(f"hkernels.{op}: softcap must be a finite float > 0 (or None), got {softcap}")
+    if not (softcap >= 0 and softcap < float("inf")):  # (NaN fails both)
+        raise ValueError(f"hkernels.{op}: softcap must be a finite float > 0 (0 or None: no cap), got {softcap}")
     return float(softcap)
 
 

@@ -7,13 +7,13 @@ then the reference math and the torch backend. Kernels: ``hkernels/ops/decode_at
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import Public, Tensor, call, check_same, check_tensor, compute_dtype
+from hkernels.functional.attention import softcap_value, window_bounds
 
 OP = "decode_attention"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -30,7 +30,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     sequence b holds L_b valid cache rows 0 .. L_b−1, the new tokens' keys and values already written as the last
     Sq of them, so query token t sits at position L_b − Sq + t and sees keys j ≤ L_b − Sq + t (causal among the new
     tokens). Rows ≥ L_b are never read. L_b is read on the device (no host sync); values outside [0, S_max] are
-    clamped to it. ``window=(left, right)``: key j is also seen only if j ≥ position − left (None: unbounded;
+    clamped to it. ``window=(left, right)``: key j is also seen only if j ≥ position − left (None or −1: unbounded;
     ``right`` is implied by the causal rule). ``softcap`` c > 0: scores become c·tanh(scale·q·k / c) before the
     softmax. ``scale`` defaults to D^-0.5. A query that sees no key (L_b − Sq + t < 0) gets zeros.
     Returns [B, Hq, Sq, D] in q's dtype, which does not require grad.
@@ -65,27 +65,15 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, scale: Any, w
                          f"{q.device}")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         raise TypeError(f"hkernels.decode_attention: scale must be a float or None, got {type(scale).__name__}")
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(f"hkernels.decode_attention: window must be None or (left, right), got {window!r}")
-        for side in window:
-            if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side < 0):
-                raise ValueError(f"hkernels.decode_attention: window sides must be ints >= 0 or None, got "
-                                 f"{tuple(window)!r}")
-    if softcap is not None:
-        if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
-            raise TypeError(f"hkernels.decode_attention: softcap must be a float or None, got "
-                            f"{type(softcap).__name__}")
-        if not (0 < softcap < math.inf):  # (NaN fails every comparison)
-            raise ValueError(f"hkernels.decode_attention: softcap must be a finite number greater than 0, got "
-                             f"{softcap!r}")
+    window_bounds(OP, window, True)
+    softcap_value(OP, softcap)
 
 
 def _body(request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None,
           window: tuple[int | None, int | None] | None, softcap: float | None) -> Tensor:
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    left = -1 if window is None or window[0] is None else int(window[0])
-    cap = 0.0 if softcap is None else float(softcap)
+    left, _ = window_bounds(OP, window, True)  # (causal among the new tokens: the right side is 0)
+    cap = softcap_value(OP, softcap)
     with torch.no_grad():  # forward only: the result never joins a graph
         return call(_fwd, q, k_cache, v_cache, cache_seqlens, scale, left, cap, request)
 
@@ -122,8 +110,9 @@ def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor
     position L_b − Sq + t (L_b clamped to [0, S_max]): keys j with pos − left ≤ j ≤ pos. No key: zeros."""
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
-    left = None if window is None else window[0]
-    return _attend(q, k_cache, v_cache, cache_seqlens, scale, left, softcap)
+    left, _ = window_bounds(OP, window, True)
+    return _attend(q, k_cache, v_cache, cache_seqlens, scale, None if left < 0 else left,
+                   softcap_value(OP, softcap) or None)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, seqlens: Tensor, scale: float, left: int | None,
