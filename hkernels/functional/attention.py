@@ -70,22 +70,33 @@ def softcap_value(op: str, softcap: Any) -> float:
     return float(softcap)
 
 
-def _check(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(OP, name, t, (4,))
-    check_same(OP, ("q", "k", "v"), q, k, v, shape=False)
-    B, Hq, S, D = q.shape
+def check_qkv(op: str, q: Any, k: Any, v: Any, names: tuple[str, str, str], layouts: tuple[str, str],
+              agree: tuple[int, ...], head_dims: tuple[int, ...]) -> None:
+    """The checks every attention op makes of its q, k, v (named ``names``, laid out as ``layouts``, heads on dim 1,
+    D last): tensors of the layouts' rank on one device and dtype, k and v alike, q and k agreeing on the dims
+    ``agree``, query heads a multiple of the key/value heads, D one of ``head_dims``."""
+    rank = layouts[0].count(",") + 1
+    for name, t in zip(names, (q, k, v), strict=True):
+        check_tensor(op, name, t, (rank,))
+    check_same(op, names, q, k, v, shape=False)
+    qn, kn, vn = names
     if k.shape != v.shape:
-        raise ValueError(f"hkernels.attention: k and v must have the same shape, got {list(k.shape)} and "
+        raise ValueError(f"hkernels.{op}: {kn} and {vn} must have the same shape, got {list(k.shape)} and "
                          f"{list(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"hkernels.attention: q [B, Hq, S, D] = {list(q.shape)} and k [B, Hk, Skv, D] = "
-                         f"{list(k.shape)} must agree on B and D")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"hkernels.attention: the query heads ({Hq}) must be a multiple of the key/value heads "
-                         f"({k.shape[1]})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"hkernels.attention: head dim D must be one of {HEAD_DIMS}, got {D}")
+    if any(k.shape[i] != q.shape[i] for i in agree):
+        what = " and ".join(layouts[0].strip("[]").split(", ")[i] for i in agree)
+        raise ValueError(f"hkernels.{op}: {qn} {layouts[0]} = {list(q.shape)} and {kn} {layouts[1]} = "
+                         f"{list(k.shape)} must agree on {what}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"hkernels.{op}: the query heads ({q.shape[1]}) must be a multiple of the key/value "
+                         f"heads ({k.shape[1]})")
+    if q.shape[-1] not in head_dims:
+        raise ValueError(f"hkernels.{op}: head dim D must be one of {head_dims}, got {q.shape[-1]}")
+
+
+def _check(q: Any, k: Any, v: Any, causal: Any, scale: Any, window: Any, softcap: Any) -> None:
+    check_qkv(OP, q, k, v, ("q", "k", "v"), ("[B, Hq, S, D]", "[B, Hk, Skv, D]"), (0, 3), HEAD_DIMS)
+    S = q.shape[2]
     left, right = window_bounds(OP, window, bool(causal))
     if (causal or left >= 0 or right >= 0) and k.shape[2] != S:
         raise ValueError(f"hkernels.attention: causal=True or a window needs as many queries as keys (S = {S}, "

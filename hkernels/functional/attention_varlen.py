@@ -14,18 +14,10 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call, check_same, check_tensor
-from hkernels.functional.attention import (
-    HEAD_DIMS,
-    softcap_value,
-    window_bounds,
-)
-from hkernels.functional.attention import (
-    attention_bwd as _dense_bwd,
-)
-from hkernels.functional.attention import (
-    attention_fwd as _dense_fwd,
-)
+from hkernels.functional._base import Public, Tensor, autograd, call
+from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
+from hkernels.functional.attention import attention_bwd as _dense_bwd
+from hkernels.functional.attention import attention_fwd as _dense_fwd
 
 OP = "attention_varlen"
 _INDEX = (torch.int32, torch.int64)
@@ -53,21 +45,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
 def _check(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, causal: Any, scale: Any,
            window: Any, softcap: Any) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(OP, name, t, (3,))
-    check_same(OP, ("q", "k", "v"), q, k, v, shape=False)
-    Tq, Hq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"hkernels.attention_varlen: k and v must have the same shape, got {list(k.shape)} and "
-                         f"{list(v.shape)}")
-    if k.shape[2] != D:
-        raise ValueError(f"hkernels.attention_varlen: q [Tq, Hq, D] = {list(q.shape)} and k [Tk, Hk, D] = "
-                         f"{list(k.shape)} must agree on D")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"hkernels.attention_varlen: the query heads ({Hq}) must be a multiple of the key/value "
-                         f"heads ({k.shape[1]})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"hkernels.attention_varlen: head dim D must be one of {HEAD_DIMS}, got {D}")
+    check_qkv(OP, q, k, v, ("q", "k", "v"), ("[Tq, Hq, D]", "[Tk, Hk, D]"), (2,), HEAD_DIMS)
+    Tq = q.shape[0]
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if cu is None and name == "cu_seqlens_k":
             continue

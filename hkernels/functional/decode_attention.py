@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, call, check_same, check_tensor, compute_dtype
-from hkernels.functional.attention import softcap_value, window_bounds
+from hkernels.functional._base import Public, Tensor, call, compute_dtype
+from hkernels.functional.attention import check_qkv, softcap_value, window_bounds
 
 OP = "decode_attention"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -39,21 +39,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, scale: Any, window: Any, softcap: Any) -> None:
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(OP, name, t, (4,))
-    check_same(OP, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, shape=False)
-    B, Hq, _, D = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"hkernels.decode_attention: k_cache and v_cache must have the same shape, got "
-                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
-        raise ValueError(f"hkernels.decode_attention: q [B, Hq, Sq, D] = {list(q.shape)} and k_cache [B, Hk, S_max, "
-                         f"D] = {list(k_cache.shape)} must agree on B and D")
-    if k_cache.shape[1] == 0 or Hq % k_cache.shape[1]:
-        raise ValueError(f"hkernels.decode_attention: the query heads ({Hq}) must be a multiple of the key/value "
-                         f"heads ({k_cache.shape[1]})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"hkernels.decode_attention: head dim D must be one of {HEAD_DIMS}, got {D}")
+    check_qkv(OP, q, k_cache, v_cache, ("q", "k_cache", "v_cache"), ("[B, Hq, Sq, D]", "[B, Hk, S_max, D]"),
+              (0, 3), HEAD_DIMS)
+    B = q.shape[0]
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in _INT:
         got = cache_seqlens.dtype if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__
         raise TypeError(f"hkernels.decode_attention: cache_seqlens must be an int32 or int64 tensor, got {got}")
