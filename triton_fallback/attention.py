@@ -135,21 +135,28 @@ def _blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_blocks(m0, Sq, Sk, off, left, right,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
-    # The key blocks queries m0 .. m0+BLOCK_M of a sequence see (see _blocks): keys lo .. hi in all, every one
-    # kept for every query of the block in flo .. fhi.
-    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+def _reach(p0, p_last, n, off, before, after, BEFORE: tl.constexpr, AFTER: tl.constexpr):
+    # Positions p0 .. p_last keep the targets t < n with p + off − before ≤ t (BEFORE) and t ≤ p + off + after
+    # (AFTER): (lo, hi) holds every target one of them keeps, (flo, fhi) the targets every one of them keeps. Queries
+    # keep keys with (off, left, right); keys are kept by queries with (−off, right, left).
     lo = 0
     flo = 0
-    hi = Sk
-    fhi = Sk
-    if LEFT:
-        lo = tl.maximum(m0 + off - left, 0)
-        flo = tl.maximum(m_last + off - left, 0)
-    if RIGHT:
-        hi = tl.maximum(tl.minimum(m_last + off + right + 1, Sk), 0)
-        fhi = tl.minimum(m0 + off + right + 1, Sk)
+    hi = n
+    fhi = n
+    if BEFORE:
+        lo = tl.maximum(p0 + off - before, 0)
+        flo = tl.maximum(p_last + off - before, 0)
+    if AFTER:
+        hi = tl.maximum(tl.minimum(p_last + off + after + 1, n), 0)
+        fhi = tl.minimum(p0 + off + after + 1, n)
+    return lo, hi, flo, fhi
+
+
+@triton.jit
+def _key_blocks(m0, Sq, Sk, off, left, right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    # The key blocks queries m0 .. m0+BLOCK_M of a sequence see (see _blocks), and the end of the keys they see.
+    lo, hi, flo, fhi = _reach(m0, tl.minimum(m0 + BLOCK_M, Sq) - 1, Sk, off, left, right, LEFT, RIGHT)
     a, u0, u1 = _blocks(lo, hi, flo, fhi, BLOCK_N)
     return a, u0, u1, hi
 
@@ -403,17 +410,7 @@ def _attention_bwd_dkdv_kernel(
         # The queries that see keys n0 .. n_last: lo .. hi; every key of the block is kept for queries flo .. fhi.
         # A partial key block is masked throughout (a very negative lse could make the p of its missing keys
         # overflow, and 0·inf reach dq; packed, its missing keys are the next sequence's).
-        n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
-        lo = 0
-        flo = 0
-        hi = Sq
-        fhi = Sq
-        if RIGHT:
-            lo = tl.maximum(n0 - off - right, 0)
-            flo = tl.maximum(n_last - off - right, 0)
-        if LEFT:
-            hi = tl.maximum(tl.minimum(n_last - off + left + 1, Sq), 0)
-            fhi = tl.minimum(n0 - off + left + 1, Sq)
+        lo, hi, flo, fhi = _reach(n0, tl.minimum(n0 + BLOCK_N, Sk) - 1, Sq, -off, right, left, RIGHT, LEFT)
         if not VARLEN:
             # fixed length: the partial last query block needs no mask (rows past S read zeros, lse +inf: p = 0)
             fhi = tl.where(fhi == Sq, tl.cdiv(Sq, BLOCK_M) * BLOCK_M, fhi)
