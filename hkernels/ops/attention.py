@@ -45,7 +45,9 @@ plus at most two partial blocks per query block):
   So the backward does 7 matmuls where a dq-by-atomics kernel does 5, in exchange for no float32 dq buffer, no
   atomics and a reproducible result.
 Packed calls read their rows by pointer (a descriptor's box would reach past a sequence's end) and zero-fill o, lse
-(−∞), dq, dk, dv first: rows of no sequence are never written by a program.
+(−∞), dq, dk, dv first: rows of no sequence are never written by a program. The masked kernels' shipped configs
+read by pointer for fixed-length calls too: with ``indexing="tensor_descriptor"`` (host descriptors) their code,
+as Helion 1.5.0 generates it for triton 3.6, stops on the H200 with an illegal instruction.
 
 Helion 1.5.0 takes a dim of size 1 for a broadcast and drops the mask of a multi-row tile over it (every lane
 loads and stores row 0): a length-1 query sequence (or a packed tensor of one row) is padded with a zero row (q is
