@@ -449,3 +449,25 @@ def test_attention_varlen_keeps_each_sequence_to_itself(backend, device):
     for c, p in zip(clean, poisoned, strict=True):
         assert torch.isfinite(p.grad[others]).all()
         torch.testing.assert_close(p.grad[others], c.grad[others], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [*KERNEL_BACKENDS, "torch"])
+def test_attention_varlen_rows_of_no_sequence_are_zero(backend, device):
+    """Rows before the first sequence and after the last get o = 0 and zero gradients, even where the memory the
+    outputs land in held NaN before (no attention program writes those rows)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(24, 2, 16, generator=g).to(device).requires_grad_() for _ in range(3))
+    cu = torch.tensor([3, 10, 18], dtype=torch.int32, device=device)
+    for _ in range(2):
+        del_me = [torch.full((24, 2, 16), float("nan"), device=device) for _ in range(8)]
+        del del_me  # freed blocks of the outputs' size, full of NaN, for the allocator to hand out again
+        with hkernels.use_backend(backend):
+            o = hkernels.attention_varlen(q, k, v, cu, max_seqlen_q=8, causal=True)
+        o.backward(torch.randn(o.shape, generator=g).to(device))
+        outside = torch.cat([torch.arange(0, 3), torch.arange(18, 24)]).to(device)
+        assert torch.equal(o.detach()[outside], torch.zeros_like(o[outside]))
+        for t in (q, k, v):
+            assert torch.equal(t.grad[outside], torch.zeros_like(t.grad[outside]))
+            t.grad = None
+        ref = references.attention_varlen(*(t.detach().double() for t in (q, k, v)), cu, causal=True)
+        torch.testing.assert_close(o.detach().double(), ref, atol=1e-4, rtol=1e-4)

@@ -12,9 +12,10 @@ Specific to these kernels:
 - softcap: s' = c·tanh(scale·q·k / c), tanh from one exp2; the backward multiplies dS by 1 − tanh².
 - Packed sequences (``attention_varlen_*``): the [T, H, D] tensors are read as [1, H, T, D] views; a program per
   (sequence, head, block) up to the longest sequence, those past their sequence's end return at once; the
-  sequence bounds are read on the device. Their blocks at a sequence's edge select the neighbour's rows away
-  (not multiplied by 0: a NaN there stays there), and they store by pointer (a TMA store clips only at the
-  tensor's end).
+  sequence bounds are read on the device. A sequence's partial last block selects the neighbour's rows away
+  (not multiplied by 0: a NaN there stays there; the blocks before it need no select), and they store by
+  pointer (a TMA store clips only at the tensor's end). Rows of no sequence (before the first, after the last)
+  get o = 0, lse = −∞ and zero gradients from a kernel that writes only those rows.
 - Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``); (2) a program per (kv block, kv
   head) holds its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of
   its group that see its keys; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise
@@ -162,6 +163,19 @@ def _key_blocks(m0, Sq, Sk, off, left, right,
 
 
 @triton.jit
+def _clip_from(u1, hi, n, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    # Where the last masked loop [u1, hi) over a sequence of n rows reaches its partial last block: packed, that
+    # block's rows past n are the next sequence's, and only it needs CLIP (a select on every tile it loads). Every
+    # block before it lies inside the sequence: the unmasked blocks end at or before n // BLOCK · BLOCK, and blocks
+    # left of them before that. Fixed length: hi (rows past n read as zeros).
+    if VARLEN:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+        mid = tl.minimum(tl.maximum(n // BLOCK * BLOCK, u1), hi)
+    else:
+        mid = hi
+    return mid
+
+
+@triton.jit
 def _span(cu, seq, T):
     # (first row, length) of packed sequence seq, its bounds clamped to [0, T]
     start = tl.minimum(tl.maximum(tl.load(cu + seq), 0), T)
@@ -279,18 +293,25 @@ def _attention_fwd_kernel(
         acc, l_i, m_i = _attention_fwd_inner(
             acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, a, u0, Sk, off, left, right, qk_scale, cap_in, cap_out,
             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, VARLEN, DOT,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, False, DOT,
         )
     acc, l_i, m_i = _attention_fwd_inner(
         acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, u0, u1, Sk, off, left, right, qk_scale, cap_in, cap_out,
         stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, False, DOT,
     )
+    mid = _clip_from(u1, hi, Sk, BLOCK_N, VARLEN)
     acc, l_i, m_i = _attention_fwd_inner(
-        acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, u1, hi, Sk, off, left, right, qk_scale, cap_in, cap_out,
+        acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, u1, mid, Sk, off, left, right, qk_scale, cap_in, cap_out,
         stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, VARLEN, DOT,
+        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, False, DOT,
     )
+    if VARLEN:
+        acc, l_i, m_i = _attention_fwd_inner(
+            acc, l_i, m_i, q_tile, rows, k, v, b, hk, k0, mid, hi, Sk, off, left, right, qk_scale, cap_in, cap_out,
+            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, SCALE_NONNEG, TMA, True, DOT,
+        )
     # A query that keeps no key (packed, Sq > Sk): o = 0, lse = −inf. (l != 0, not l > 0: a NaN row stays NaN.)
     seen = l_i != 0.0
     out = (acc / tl.where(seen, l_i, 1.0)[:, None]).to(q_tile.dtype)  # o has q's dtype
@@ -421,7 +442,7 @@ def _attention_bwd_dkdv_kernel(
             dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
             b, hk, GROUP, Hq, n0, a, (u0 - a) // BLOCK_M, 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
             cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, VARLEN, DOT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
         )
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
@@ -429,12 +450,20 @@ def _attention_bwd_dkdv_kernel(
             cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
             BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
         )
+        mid = _clip_from(u1, hi, Sq, BLOCK_M, VARLEN)
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, u1, tl.cdiv(hi - u1, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
-            cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, VARLEN, DOT,
+            b, hk, GROUP, Hq, n0, u1, tl.cdiv(mid - u1, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right, qk_scale,
+            scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
         )
+        if VARLEN:
+            dk, dv = _attention_bwd_dkdv_inner(
+                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+                b, hk, GROUP, Hq, n0, mid, tl.cdiv(hi - mid, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right,
+                qk_scale, scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, True, DOT,
+            )
     else:
         # No mask: every query sees the block; a partial key block is masked (a very negative lse could make the
         # p of its missing keys overflow, and 0·inf reach dq)
@@ -521,20 +550,48 @@ def _attention_bwd_dq_kernel(
         dq = _attention_bwd_dq_inner(
             dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, a, u0, Sk, off, left, right, qk_scale, scale,
             cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, VARLEN, DOT,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, False, DOT,
         )
     dq = _attention_bwd_dq_inner(
         dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, u0, u1, Sk, off, left, right, qk_scale, scale,
         cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, TMA, False, DOT,
     )
+    mid = _clip_from(u1, hi, Sk, BLOCK_N, VARLEN)
     dq = _attention_bwd_dq_inner(
-        dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, u1, hi, Sk, off, left, right, qk_scale, scale,
+        dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, u1, mid, Sk, off, left, right, qk_scale, scale,
         cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, VARLEN, DOT,
+        BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, False, DOT,
     )
+    if VARLEN:
+        dq = _attention_bwd_dq_inner(
+            dq, q_tile, do_tile, lse2, delta, rows, k, v, b, hk, k0, mid, hi, Sk, off, left, right, qk_scale, scale,
+            cap_in, cap_out, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, TMA, True, DOT,
+        )
     _store_tile(dq_out, dq.to(q_tile.dtype), b, h, q0 + m0, q0 + Sq, stride_gb, stride_gh, stride_gs,
                 BLOCK_M, HEAD_DIM, OUT_TMA)
+
+
+@triton.jit
+def _fill_outside_kernel(
+    t,  # [T, W] rows (any strides): the rows of no packed sequence get `value`
+    cu, n_seq, T, W, stride_t, stride_w, value,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # Rows before cu[0] and from cu[n_seq] on belong to no sequence, and no attention program writes them; reads
+    # two bounds, writes only those rows (none in the usual call, where the sequences cover every row).
+    first = tl.minimum(tl.maximum(tl.load(cu), 0), T)
+    last = tl.minimum(tl.maximum(tl.load(cu + n_seq), first), T)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    outside = (rows < T) & ((rows < first) | (rows >= last))
+    if tl.max(outside.to(tl.int32), 0) == 0:
+        return
+    for w0 in range(0, W, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        ptrs = t + rows.to(tl.int64)[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_w
+        fill = tl.full([BLOCK_T, BLOCK_W], value, t.dtype.element_ty)
+        tl.store(ptrs, fill, mask=outside[:, None] & (cols < W)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -785,6 +842,15 @@ def attention_bwd(
     return dq, dk, dv
 
 
+def _fill_outside(t: Tensor, cu: Tensor, value: float = 0.0, dim: int = 0) -> Tensor:
+    """t, whose dim ``dim`` runs over the packed rows, with ``value`` in the rows of no sequence (before cu[0], from
+    cu[-1] on); the rows inside the sequences are left for the attention kernels to write."""
+    rows = t.movedim(dim, 0).flatten(1)
+    launch(_fill_outside_kernel, (cdiv(rows.shape[0], 64),), rows, cu, cu.shape[0] - 1, rows.shape[0],
+           rows.shape[1], rows.stride(0), rows.stride(1), value, BLOCK_T=64, BLOCK_W=256, num_warps=4)
+    return t
+
+
 def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"attention_varlen: q [Tq, Hq, D], k and v [Tk, Hk, D]; got {tuple(q.shape)}, "
@@ -799,10 +865,12 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     longest sequence (it sizes the grid) -> (o [Tq, Hq, D] contiguous in q's dtype, lse [Hq, Tq] float32; rows of
     no sequence and queries that keep no key: o = 0, lse = −inf)."""
     _check_packed(q, k, v)
-    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of no sequence stay 0
-    lse = torch.full((q.shape[1], q.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.shape[0] == 0 or max_q == 0 or cu_q.shape[0] < 2:
-        return o, lse
+        return o.zero_(), lse.fill_(-float("inf"))
+    _fill_outside(o, cu_q)
+    _fill_outside(lse, cu_q, -float("inf"), dim=1)
     _fwd(_packed(q), _packed(k), _packed(v), _packed(o), lse.unsqueeze(0),
          _mask(causal, scale, left, right, softcap), max_q, (cu_q, cu_k))
     return o, lse
@@ -816,9 +884,12 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     _check_packed(q, k, v)
     do = do if do.stride(-1) == 1 else do.contiguous()
     o = o if o.stride(-1) == 1 else o.contiguous()
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.shape[0] == 0 or max_q == 0 or max_k == 0 or cu_q.shape[0] < 2:
-        return dq, dk, dv
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _fill_outside(dq, cu_q)
+    _fill_outside(dk, cu_k)
+    _fill_outside(dv, cu_k)
     _bwd(_packed(do), _packed(q), _packed(k), _packed(v), _packed(o), lse.contiguous().unsqueeze(0), _packed(dq),
          _packed(dk), _packed(dv), scale, _mask(causal, scale, left, right, softcap), max_q, max_k, (cu_q, cu_k))
     return dq, dk, dv
