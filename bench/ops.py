@@ -308,18 +308,18 @@ def _flex(kind: str) -> Callable[..., object]:
     return run
 
 
-def _mixed_shapes(preset: str) -> list[Shape]:
+def _mixed_shapes(head_dim: int) -> Callable[[str], list[Shape]]:
     """Attention's shapes with more than one document in the 16384 tokens (mixed lengths up to M)."""
-    return [s for s in _attention_shapes(HEAD_DIM)(preset) if s[0] < 16384 and s[2] > 1]
+    return lambda preset: [s for s in _attention_shapes(head_dim)(preset) if s[0] < 16384 and s[2] > 1]
 
 
-def _varlen_bench(name: str, mixed: bool) -> OpBench:
+def _varlen_bench(name: str, mixed: bool, head_dim: int = HEAD_DIM) -> OpBench:
     return _bench(
         name,
         eager=_eager_varlen,
         ref=lambda q, k, v, cu, cu_host: references.attention_varlen(q, k, v, cu, causal=True),
         dim="hidden", flops_fn=_varlen_flops(mixed), compile=False,
-        shapes=_mixed_shapes if mixed else _attention_shapes(HEAD_DIM),
+        shapes=_mixed_shapes(head_dim) if mixed else _attention_shapes(head_dim),
         ref_view=lambda t: t[:, :1],  # head 0 of [T, H, D]
         peers={"flex": _flex("varlen")},
     )
@@ -519,22 +519,24 @@ OPS: dict[str, OpBench] = {
     "attention_causal": _attention_bench("attention_causal", True, HEAD_DIM),
     "attention_d64": _attention_bench("attention_d64", False, SMALL_HEAD_DIM),
     "attention_d64_causal": _attention_bench("attention_d64_causal", True, SMALL_HEAD_DIM),
-    "attention_window": _bench(
-        "attention_window",
+    **{name: _bench(
+        name,
         eager=_eager_window,
         ref=lambda q, k, v: references.attention(q, k, v, causal=True, window=(WINDOW - 1, 0)),
-        dim="hidden", flops_fn=_window_flops, compile=False, shapes=_attention_shapes(HEAD_DIM), ref_view=_head0,
+        dim="hidden", flops_fn=_window_flops, compile=False, shapes=_attention_shapes(d), ref_view=_head0,
         peers={"flex": _flex("window")},
-    ),
-    "attention_softcap": _bench(
-        "attention_softcap",
+    ) for name, d in (("attention_window", HEAD_DIM), ("attention_d64_window", SMALL_HEAD_DIM))},
+    **{name: _bench(
+        name,
         eager=_eager_softcap,
         ref=lambda q, k, v: references.attention(q, k, v, causal=True, softcap=SOFTCAP),
-        dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes(HEAD_DIM),
+        dim="hidden", flops_fn=_attention_flops(True), compile=False, shapes=_attention_shapes(d),
         ref_view=_head0, peers={"flex": _flex("softcap")},
-    ),
+    ) for name, d in (("attention_softcap", HEAD_DIM), ("attention_d64_softcap", SMALL_HEAD_DIM))},
     "attention_varlen": _varlen_bench("attention_varlen", False),
     "attention_varlen_mixed": _varlen_bench("attention_varlen_mixed", True),
+    "attention_d64_varlen": _varlen_bench("attention_d64_varlen", False, SMALL_HEAD_DIM),
+    "attention_d64_varlen_mixed": _varlen_bench("attention_d64_varlen_mixed", True, SMALL_HEAD_DIM),
 }
 for _name, _fn in LIGER.items():
     OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})

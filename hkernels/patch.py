@@ -37,7 +37,7 @@ What is replaced (``ops`` picks; default all):
   when it is exactly the causal, windowed, per-document mask those imply (read once per mask tensor; under
   torch.compile a call with a mask keeps its function). Calls with any other mask (padding), dropout, a position
   bias, attention weights that are read (``output_attentions``), decoding (fewer queries than keys) or a head dim
-  outside 16, 32, 64, 128 run the original function. And module-level ``causal_attention(q, k, v)`` functions
+  outside 16, 32, 64, 128, 256 run the original function. And module-level ``causal_attention(q, k, v)`` functions
   marked ``hkernels_attention = "causal"`` (``bench.model``'s).
 
 Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
@@ -234,7 +234,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 causal_attention.hkernels = True  # type: ignore[attr-defined]
 
-_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+_ATTENTION_HEAD_DIMS = _attention.HEAD_DIMS
 # Hugging Face modeling modules whose eager_attention_forward is softmax(cap(scaling · q kᵀ) + mask) v over the
 # key/value heads repeated per group (Gemma's with its optional softcap), returning [B, S, Hq, D] and the weights.
 # Gemma 2 runs it by default: SDPA has no softcap.

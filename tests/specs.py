@@ -171,6 +171,8 @@ class Case:
     # PyTorch's own computation in the dtype under test, when it is not hkernels.references' (float32 math, one
     # rounding): matmul and attention round their intermediates, as every fast kernel does.
     base: Callable[..., Any] | None = None
+    # The kernel backends that take the case (None: both); the others refuse it with a clear error (tested apart).
+    kernels: tuple[str, ...] | None = None
 
     @property
     def id(self) -> str:
@@ -411,7 +413,7 @@ def _mm_case(name: str, m: int, k: int, n: int, batch: int = 0, bias: bool = Fal
 
 def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, causal: bool = False,
                transposed: bool = False, scale: float | None = None, gpu_only: bool = False,
-               **options: Any) -> Case:
+               kernels: tuple[str, ...] | None = None, **options: Any) -> Case:
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if transposed:  # views of [B, S, H, D] projections
             q = _randn(g, b, s, hq, d).transpose(1, 2)
@@ -420,7 +422,7 @@ def _attn_case(name: str, b: int, hq: int, hk: int, s: int, skv: int, d: int, ca
             q, k, v = _randn(g, b, hq, s, d), _randn(g, b, hk, skv, d), _randn(g, b, hk, skv, d)
         return {"q": q, "k": k, "v": v}, {"causal": causal, "scale": scale, **options}
 
-    return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention)
+    return Case("attention", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention, kernels=kernels)
 
 
 def _torch_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None,
@@ -438,7 +440,8 @@ def _torch_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
 
 
 def _varlen_case(name: str, hq: int, hk: int, d: int, lens_q: list[int], lens_k: list[int] | None = None,
-                 give_max: bool = True, extra_rows: int = 0, gpu_only: bool = False, **options: Any) -> Case:
+                 give_max: bool = True, extra_rows: int = 0, gpu_only: bool = False,
+                 kernels: tuple[str, ...] | None = None, **options: Any) -> Case:
     """Packed q [Tq, Hq, D], k/v [Tk, Hk, D] of sequences of the given lengths (k's default to q's: self-attention);
     ``extra_rows`` rows past the last sequence."""
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -454,7 +457,8 @@ def _varlen_case(name: str, hq: int, hk: int, d: int, lens_q: list[int], lens_k:
             kwargs["max_seqlen_k"] = max(lens_k if lens_k is not None else lens_q)
         return {"q": q, "k": k, "v": v}, kwargs
 
-    return Case("attention_varlen", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention_varlen)
+    return Case("attention_varlen", name, make, ("q", "k", "v"), gpu_only=gpu_only, base=_torch_attention_varlen,
+                kernels=kernels)
 
 
 def _torch_grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
@@ -578,7 +582,14 @@ CASES_LLM += [
     _attn_case("mistral_window", 1, 8, 2, 1500, 1500, 128, causal=True, window=(511, 0), gpu_only=True),
     _attn_case("gemma_softcap", 1, 8, 4, 700, 700, 128, causal=True, window=(255, 0), softcap=50.0,
                gpu_only=True),
+    # Gemma's head dim, on Triton (Helion's kernels stop at D = 128)
+    _attn_case("d256_window_softcap", 1, 4, 2, 70, 70, 256, causal=True, window=(40, 0), softcap=20.0,
+               kernels=("triton",)),
+    _attn_case("gemma_d256", 1, 8, 4, 1100, 1100, 256, causal=True, window=(511, 0), softcap=50.0,
+               gpu_only=True, kernels=("triton",)),
+    _attn_case("d256_full_gqa", 2, 4, 1, 300, 300, 256, gpu_only=True, kernels=("triton",)),
     _varlen_case("self_causal", 4, 2, 64, [5, 0, 1, 17, 9], causal=True),
+    _varlen_case("d256", 2, 1, 256, [30, 0, 47], causal=True, kernels=("triton",)),
     _varlen_case("cross_end_aligned", 2, 1, 32, [3, 7, 0, 2, 6], [8, 4, 5, 0, 2], causal=True, extra_rows=3),
     _varlen_case("window_softcap", 2, 2, 64, [20, 13, 31], give_max=False, causal=True, window=(6, 0),
                  softcap=3.0),

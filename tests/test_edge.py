@@ -471,3 +471,16 @@ def test_attention_varlen_rows_of_no_sequence_are_zero(backend, device):
             t.grad = None
         ref = references.attention_varlen(*(t.detach().double() for t in (q, k, v)), cu, causal=True)
         torch.testing.assert_close(o.detach().double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_head_dim_256_runs_on_triton(device):
+    """D = 256 (Gemma): Helion's kernels refuse it by name; auto runs it on Triton after one warning."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 20, 256, generator=g).to(device) for _ in range(3))
+    with hkernels.use_backend("helion"), pytest.raises(hkernels.BackendUnavailableError,
+                                                       match=r"attention.*head dims up to 128, got 256.*triton"):
+        hkernels.attention(q, k, v, causal=True)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match=r"attention.*head dims up to 128.*Triton"):
+        o = hkernels.attention(q, k, v, causal=True)
+    torch.testing.assert_close(o.double(), references.attention(q.double(), k.double(), v.double(), causal=True),
+                               atol=1e-4, rtol=1e-4)

@@ -36,6 +36,8 @@ def _outputs(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES_LLM, ids=lambda c: c.id)
 def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch):
+    if case.kernels is not None and backend not in (*case.kernels, "torch"):
+        pytest.skip(f"{backend} refuses this case (a clear error, tested apart)")
     if case.min_chunk is not None:
         monkeypatch.setattr(_chunked, "MIN_CHUNK", case.min_chunk)
     g = torch.Generator().manual_seed(zlib.crc32(f"{case.id}{dtype}".encode()))

@@ -184,7 +184,7 @@ def _spy_attention(monkeypatch) -> list[tuple[str, dict]]:
     return calls
 
 
-def _tiny_windowed(family: str, device: torch.device, window: int = 4):
+def _tiny_windowed(family: str, device: torch.device, window: int = 4, head_dim: int = 16):
     """Two layers, hidden 64, head dim 16, on the attention implementation the family loads with: Mistral (every
     layer sliding, sdpa), Gemma 2 (sliding then global layer, softcap 1.0, eager), Gemma 3 (sliding then global,
     sdpa). Weights and Gemma's scaling are large enough for scores of a few units, so that the cap and the windows
@@ -193,13 +193,13 @@ def _tiny_windowed(family: str, device: torch.device, window: int = 4):
                   num_key_value_heads=2, max_position_embeddings=64, sliding_window=window,
                   initializer_range=0.2)
     if family == "mistral":
-        cfg, cls = transformers.MistralConfig(**common, head_dim=16), transformers.MistralForCausalLM
+        cfg, cls = transformers.MistralConfig(**common, head_dim=head_dim), transformers.MistralForCausalLM
     elif family == "gemma2":
-        cfg = transformers.Gemma2Config(**common, head_dim=16, attn_logit_softcapping=1.0, query_pre_attn_scalar=16,
-                                        layer_types=["sliding_attention", "full_attention"])
+        cfg = transformers.Gemma2Config(**common, head_dim=head_dim, attn_logit_softcapping=1.0,
+                                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
         cls = transformers.Gemma2ForCausalLM
     else:
-        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=head_dim, query_pre_attn_scalar=16,
                                             layer_types=["sliding_attention", "full_attention"])
         cls = transformers.Gemma3ForCausalLM
     torch.manual_seed(0)
@@ -241,6 +241,16 @@ def test_hf_attention_sliding_windows_and_softcap_run_on_hkernels(family, monkey
     windows = [(4 - 1, 0), (4 - 1, 0)] if family == "mistral" else [(4 - 1, 0), None]
     assert [(op, c["window"]) for op, c in calls] == [("attention", w) for w in windows]
     assert [c["softcap"] for _, c in calls] == [1.0 if family == "gemma2" else None] * 2
+
+
+def test_hf_gemma_head_dim_256_runs_on_hkernels(monkeypatch, device):
+    """Gemma's head dim of 256 is taken (its sliding and global layers reach hkernels.attention); loss and
+    gradients match the unpatched model."""
+    calls = _spy_attention(monkeypatch)
+    model, ids = _tiny_windowed("gemma2", device, window=4, head_dim=256)
+    _patched_matches(model, copy.deepcopy(model), dict(input_ids=ids, labels=ids), lambda out: out.loss)
+    assert [(op, c["window"], c["softcap"]) for op, c in calls] == [("attention", (3, 0), 1.0),
+                                                                   ("attention", None, 1.0)]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])

@@ -2,7 +2,7 @@
 docstring gives the math, the shapes and the work and traffic of both directions.
 
 Specific to these kernels:
-- D in 16, 32, 64, 128. o comes out contiguous [B, Hq, S, D], lse [B, Hq, S] float32 (natural log); inside, each
+- D in 16, 32, 64, 128, 256. o comes out contiguous [B, Hq, S, D], lse [B, Hq, S] float32 (natural log); inside, each
   exponential is one exp2 (log2 e folded into the scale, or applied after the cap).
 - Masks (causal, a window) and packed sequences share one walk: a query block sees keys [lo, hi) of its sequence;
   key blocks inside the window of every query of the block run without a mask, the blocks at the window's edges
@@ -46,7 +46,7 @@ except ImportError:  # older triton: pointer loads only
 Tensor = torch.Tensor
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 # ----------------------------------------------------------------------------------------------- tile access
@@ -628,6 +628,9 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
       register cost): 128 rows (with dq atomics, 64 at D = 128: 128 rows spill there: 255 registers and 200+
       bytes of stack). 8 warps, 2 stages.
     - dq: BLOCK_M 128, BLOCK_N 64, 3 stages (8 warps at D = 128, 4 below).
+    - D = 256, 8 warps, 2 stages, chosen by ptxas's register counts (not by a sweep): fwd 128 × 64 (247
+      registers), dkdv 32 query rows a step over 64 keys (255 registers, a 16-byte stack frame), dq 64 × 64 (214).
+      Through pointers these tiles spill (kilobytes of stack): correct, slower.
     float32 (tests only) multiplies without tensor cores (true float32 products): small tiles; ptxas spills there.
     """
     if kernel not in ("fwd", "dkdv", "dq"):
@@ -639,8 +642,13 @@ def attention_settings(head_dim: int, dtype: torch.dtype, causal: bool, kernel: 
     wide = head_dim >= 128
     if dtype == torch.float32:  # no tensor cores (true float32 products): small tiles, correctness only
         if kernel == "dkdv":
-            return AttentionSettings(32, 64, 8, 2)
-        return AttentionSettings(64, 32, 8, 2)
+            return AttentionSettings(32, 32 if head_dim > 128 else 64, 8, 1 if head_dim > 128 else 2)
+        return AttentionSettings(32 if head_dim > 128 and kernel == "dq" else 64, 32, 8, 2)
+    if head_dim > 128:
+        # D = 256 (Gemma): [rows, 256] float32 accumulators take twice the registers of D = 128, so every tile
+        # halves along the rows; two stages fit shared memory.
+        return {"fwd": AttentionSettings(128, 64, 8, 2), "dkdv": AttentionSettings(32, 64, 8, 2),
+                "dq": AttentionSettings(64, 64, 8, 2)}[kernel]
     if kernel == "fwd":
         if wide and tma:
             return AttentionSettings(128, 128, 8, 3)

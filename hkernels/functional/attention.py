@@ -21,7 +21,7 @@ from hkernels import dispatch
 from hkernels.functional._base import Public, Tensor, autograd, call, check_same, check_tensor, compute_dtype
 
 OP = "attention"
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
@@ -29,8 +29,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     """Scaled dot-product attention, flash algorithm: ``softmax(cap(scale · q kᵀ) [mask]) v``.
 
     q: [B, Hq, S, D]; k, v: [B, Hk, Skv, D] with Hq a multiple of Hk (grouped-query attention); D in 16, 32, 64,
-    128; one dtype (bfloat16/float16; float32 too); any strides with unit stride along D (transposed views of
-    [B, S, H, D] projections are read in place). ``scale`` defaults to D^-0.5. ``causal`` masks key j > query i.
+    128, 256 (256 on the Triton and torch backends: Helion's kernels stop at 128); one dtype (bfloat16/float16;
+    float32 too); any strides with unit stride along D (transposed views of [B, S, H, D] projections are read in
+    place). ``scale`` defaults to D^-0.5. ``causal`` masks key j > query i.
     ``window=(left, right)``: query i sees keys i − left .. i + right (None or −1: unbounded on that side; with
     ``causal`` right is 0), Mistral's and Gemma's sliding window being ``(W − 1, 0)`` with causal. ``softcap`` c > 0
     replaces each score s by ``c·tanh(s / c)`` before the softmax (Gemma 2). causal and window need S == Skv (with

@@ -29,16 +29,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      softcap: float | None = None) -> Tensor:
     """Attention over packed sequences: sequence i is rows ``cu_seqlens[i] : cu_seqlens[i + 1]`` of q (and of k, v).
 
-    q: [Tq, Hq, D]; k, v: [Tk, Hk, D] with Hq a multiple of Hk; D in 16, 32, 64, 128; one dtype; unit stride
-    along D (views of a fused projection are read in place). cu_seqlens_q, cu_seqlens_k: [N + 1] int32 (or int64)
-    on q's device, non-decreasing from 0 (cu_seqlens_k defaults to cu_seqlens_q: self-attention); sequences of
-    length 0 and 1 are fine; rows past the last sequence get zeros. max_seqlen_q / max_seqlen_k: the longest
-    sequence, which sizes the launch; given, the call never waits on the device; left out, it is read from
-    cu_seqlens once per call (a host sync; under torch.compile the row count stands in for it). A larger value
-    is fine (idle programs), a smaller one drops rows.
-    causal, window and softcap as in :func:`hkernels.attention`, with the mask aligned at each sequence's end
-    (query i of a sequence with Sq queries and Sk keys sits at key position i + Sk − Sq, FlashAttention's
-    convention); a query that sees no key gets zeros. Returns [Tq, Hq, D] in q's dtype; differentiable in q, k, v.
+    q: [Tq, Hq, D]; k, v: [Tk, Hk, D] with Hq a multiple of Hk; D in 16, 32, 64, 128, 256 (256 not on Helion); one
+    dtype; unit stride along D (views of a fused projection are read in place). cu_seqlens_q, cu_seqlens_k: [N + 1]
+    int32 (or int64) on q's device, non-decreasing from 0 (cu_seqlens_k defaults to cu_seqlens_q: self-attention);
+    sequences of length 0 and 1 are fine; rows past the last sequence get zeros. max_seqlen_q / max_seqlen_k: the
+    longest sequence, which sizes the launch; given, the call never waits on the device; left out, it is read from
+    cu_seqlens once per call (a host sync; under torch.compile the row count stands in for it). A larger value is
+    fine (idle programs), a smaller one drops rows. causal, window and softcap as in :func:`hkernels.attention`,
+    with the mask aligned at each sequence's end (query i of a sequence with Sq queries and Sk keys sits at key
+    position i + Sk − Sq, FlashAttention's convention); a query that sees no key gets zeros. Returns [Tq, Hq, D] in
+    q's dtype; differentiable in q, k, v.
     """
     return _CALLS(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap)
 

@@ -70,6 +70,7 @@ Tensor = torch.Tensor
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _INT32_LIMIT = 2**31 - 1
+MAX_HEAD_DIM = 128
 
 
 # Row reductions of full key blocks, written in Triton: Helion masks a torch.amax/sum over a tile element-wise
@@ -592,6 +593,14 @@ def _attention_masked_bwd_dkdv(
             hl.store(dv, [bi, hi, rows, slice(None)], dv_acc.to(dv.dtype), extra_mask=in_seq[:, None])
 
 
+def _check_head_dim(d: int) -> None:
+    # [rows, D] float32 accumulators of D = 256 with the shipped tiles need more registers and shared memory than
+    # an SM has; Triton's twin takes D = 256 with tiles of its own.
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"attention: the Helion kernels take head dims up to {MAX_HEAD_DIM}, got {d} (the Triton "
+                         "backend runs D = 256)")
+
+
 def _max_offset(x: Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 0)
 
@@ -652,6 +661,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
     Hk, Skv = k.shape[1], k.shape[2]
     right = 0 if causal else right
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or (left < 0 and right < 0))
+    _check_head_dim(D)
     if Skv == 1:
         # One key: its softmax weight p = exp(score − score) is 1, or NaN for a non-finite score (as PyTorch's
         # softmax gives), so o = p·v and lse = the score (see the module docstring): o stays NaN where PyTorch's
@@ -691,6 +701,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     Hk, Skv = k.shape[1], k.shape[2]
     right = 0 if causal else right
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or (left < 0 and right < 0))
+    _check_head_dim(D)
     assert do.shape == o.shape == q.shape and lse.shape == q.shape[:-1]
     if Skv == 1:
         # One key: its softmax weight p = exp(score − lse) is 1 (NaN for a non-finite score), so dS = p·(do·v − do·o)
@@ -746,6 +757,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     Tq, Hq, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     assert k.shape == v.shape == (Tk, Hk, D) and Hq % Hk == 0 and cu_q.shape == cu_k.shape
+    _check_head_dim(D)
     assert cu_q.dtype == cu_k.dtype == torch.int32
     q, k, v = (_prepare(t) for t in (q, k, v))
     if scale < 0 and softcap == 0:  # row maxima are taken before scaling (see attention_fwd)
@@ -776,6 +788,7 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     Tq, Hq, D = q.shape
     Tk, Hk = k.shape[0], k.shape[1]
     assert k.shape == v.shape == (Tk, Hk, D) and Hq % Hk == 0 and cu_q.shape == cu_k.shape
+    _check_head_dim(D)
     assert do.shape == o.shape == q.shape and lse.shape == (Hq, Tq) and cu_q.dtype == cu_k.dtype == torch.int32
     do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     if Tq == 1:

@@ -170,8 +170,9 @@ def _moe(experts: int, top_k: int, zipf: float = 0.0) -> Make:
 # Cases that are variants of one op (another head dim, causal, a fused activation): the op the dispatcher routes
 # them as, whose auto buckets they share (their times are summed per shape).
 OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attention_d64_causal": "attention",
-         "attention_window": "attention", "attention_softcap": "attention",
-         "attention_varlen_mixed": "attention_varlen",
+         "attention_window": "attention", "attention_softcap": "attention", "attention_d64_window": "attention",
+         "attention_d64_softcap": "attention", "attention_varlen_mixed": "attention_varlen",
+         "attention_d64_varlen": "attention_varlen", "attention_d64_varlen_mixed": "attention_varlen",
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe"}
 MOE = {"moe": (128, 8, 0.0), "moe_zipf": (128, 8, 1.2), "moe_mixtral": (8, 2, 0.0)}  # experts, top-k, Zipf exponent
 
@@ -201,14 +202,18 @@ OPS: dict[str, OpInputs] = {
         OpInputs("attention_d64", _attention(SMALL_HEAD_DIM), (0, 1, 2), hkernels.attention),
         OpInputs("attention_d64_causal", _attention(SMALL_HEAD_DIM), (0, 1, 2),
                  lambda q, k, v: hkernels.attention(q, k, v, causal=True)),
-        OpInputs("attention_window", _attention(HEAD_DIM), (0, 1, 2),
-                 lambda q, k, v: hkernels.attention(q, k, v, causal=True, window=(WINDOW - 1, 0))),
-        OpInputs("attention_softcap", _attention(HEAD_DIM), (0, 1, 2),
-                 lambda q, k, v: hkernels.attention(q, k, v, causal=True, softcap=SOFTCAP)),
+        *(OpInputs(f"attention{tag}_window", _attention(d), (0, 1, 2),
+                   lambda q, k, v: hkernels.attention(q, k, v, causal=True, window=(WINDOW - 1, 0)))
+          for tag, d in (("", HEAD_DIM), ("_d64", SMALL_HEAD_DIM))),
+        *(OpInputs(f"attention{tag}_softcap", _attention(d), (0, 1, 2),
+                   lambda q, k, v: hkernels.attention(q, k, v, causal=True, softcap=SOFTCAP))
+          for tag, d in (("", HEAD_DIM), ("_d64", SMALL_HEAD_DIM))),
         # causal documents packed into one row: K of M tokens (against attention_causal's [K, H, M, D] batch), and
         # mixed lengths of up to M
         OpInputs("attention_varlen", _packed(HEAD_DIM, False), (0, 1, 2), _varlen),
         OpInputs("attention_varlen_mixed", _packed(HEAD_DIM, True), (0, 1, 2), _varlen),
+        OpInputs("attention_d64_varlen", _packed(SMALL_HEAD_DIM, False), (0, 1, 2), _varlen),
+        OpInputs("attention_d64_varlen_mixed", _packed(SMALL_HEAD_DIM, True), (0, 1, 2), _varlen),
     )
 }
 
