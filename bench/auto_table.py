@@ -13,7 +13,9 @@ one's numbers for the same shape entirely (give the newest last); consecutive fi
 --gpu-time rows as GPU time of their mode, host-loop rows as per-call latency. Which calls are judged by latency,
 and the buckets themselves, are the tune command's rules (hkernels.tune.auto). attention's forward also gets
 buckets of its own from the forward's times alone (``"attention:attention_fwd"``): a call that needs no gradient
-runs the faster forward, and a training step the faster forward and the faster backward.
+runs the faster forward, and a training step the faster forward and the faster backward. Variants routed apart
+(``hkernels.tune.cases.ROUTE_OF``: attention with a window or a cap) get buckets of their own for each direction,
+``"attention:attention_masked_fwd"`` and ``"attention:attention_masked_bwd"``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from bench import cli
 from hkernels.tune.auto import buckets, host_bound
-from hkernels.tune.cases import HEAD_DIM, OP_OF, SMALL_HEAD_DIM
+from hkernels.tune.cases import HEAD_DIM, OP_OF, ROUTE_OF, SMALL_HEAD_DIM
 
 # Ops whose forward gets buckets of its own (``"<op>:<op>_fwd"``, from the forward's times alone; the dispatcher
 # routes the forward and the backward apart, and their saved tensors mean the same on both backends). The op's own
@@ -85,8 +87,9 @@ def build(paths: list[Path]) -> dict[str, Any]:
             op = OP_OF.get(row["op"], row["op"])
             rows, n = dispatch_shape(row["op"], row["m"], row["n"], row.get("k", 0))
             score = _score(row, host_bound(rows, n, op))
+            route = ROUTE_OF.get(row["op"])
             if score:
-                fresh[(op, rows, n, row["op"], row["mode"])][row["backend"]] = score
+                fresh[(f"{op}:{route}" if route else op, rows, n, row["op"], row["mode"])][row["backend"]] = score
         # A later file replaces a shape's whole cell: one run's numbers, one timing method (never fwd from one
         # run summed with fwd_bwd from another).
         per_cell: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
@@ -96,6 +99,10 @@ def build(paths: list[Path]) -> dict[str, Any]:
         cells.update(per_cell)
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
+        if ":" in op:  # a variant routed apart: each direction by its own times
+            table[f"{op}_fwd"] = buckets(_points(cells, op, "fwd"), exact_n=False)
+            table[f"{op}_bwd"] = buckets(_points(cells, op, backward=True), exact_n=False)
+            continue
         apart = op in _FORWARD_APART
         table[op] = buckets(_points(cells, op, backward=apart), exact_n=False)
         fwd = _points(cells, op, "fwd") if apart else []
@@ -124,7 +131,7 @@ def _points(cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, fl
             for b in times:
                 times[b] += v[b] - (fwd[b] if fwd else 0.0)
             modes.append(f"{variant} {m}{' − fwd' if fwd else ''}")
-        unit = "µs per call" if host_bound(rows, n, op) else "ms"
+        unit = "µs per call" if host_bound(rows, n, op.split(":")[0]) else "ms"
         points.append((rows, n, times["helion"], times["triton"], f"rows={rows} n={n}",
                        f"{unit} ({' + '.join(modes)})"))
     return points

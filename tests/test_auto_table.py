@@ -89,3 +89,20 @@ def test_auto_table_routes_attention_backward_by_the_backward_alone(tmp_path):
     (fwd,) = table["attention:attention_fwd"]
     assert (fwd["backend"], bwd["backend"]) == ("triton", "helion")
     assert "helion 6, triton 6.3 ms (attention fwd_bwd − fwd)" in bwd["measured"]
+
+
+def test_auto_table_routes_windowed_and_capped_attention_apart(tmp_path):
+    """Rows of attention with a window or a cap build buckets of their own for each direction, and leave the plain
+    op's buckets to plain attention: Helion's plain backward wins here while its masked one loses."""
+    rows = []
+    for op, (fh, ft), (bh, bt) in (("attention_causal", (1.29, 1.26), (5.14, 5.53)),
+                                   ("attention_window", (0.85, 0.71), (5.01, 2.91))):
+        rows += [{"op": op, "m": 4096, "n": 4096, "k": 4, "mode": mode, "backend": b, "ms": ms}
+                 for mode, h, t in (("fwd", fh, ft), ("fwd_bwd", bh, bt)) for b, ms in (("helion", h), ("triton", t))]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    table = auto_table.build([tmp_path / "results.json"])
+    assert [b["backend"] for b in table["attention"]] == ["helion"]
+    assert [b["backend"] for b in table["attention:attention_masked_fwd"]] == ["triton"]
+    (bwd,) = table["attention:attention_masked_bwd"]
+    assert bwd["backend"] == "triton" and "(attention_window fwd_bwd − fwd)" in bwd["measured"]
+    assert "attention_window" not in table["attention"][0]["measured"]

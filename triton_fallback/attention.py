@@ -859,6 +859,11 @@ def _fill_outside(t: Tensor, cu: Tensor, value: float = 0.0, dim: int = 0) -> Te
     return t
 
 
+# Calls with a window or a cap, under names of their own: auto routes them by their own measurements.
+attention_masked_fwd = attention_fwd
+attention_masked_bwd = attention_bwd
+
+
 def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"attention_varlen: q [Tq, Hq, D], k and v [Tk, Hk, D]; got {tuple(q.shape)}, "

@@ -123,13 +123,19 @@ def _d_unit(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _masked(causal: bool, left: int, right: int, softcap: float) -> bool:
+    # A window or a cap: the same functions, under names of their own, so that auto routes them by their own
+    # measurements (the backends' masked kernels differ from the plain ones far more than between shapes).
+    return left >= 0 or (right >= 0 and not causal) or softcap > 0
+
+
 @torch.library.custom_op("hkernels::attention_fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int, right: int, softcap: float,
          backend: str) -> tuple[Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0:
         backend = "torch"
-    return dispatch.run(OP, "attention_fwd", backend, _d_unit(q), _d_unit(k), _d_unit(v), causal, scale, left,
-                        right, softcap)
+    fn = "attention_masked_fwd" if _masked(causal, left, right, softcap) else "attention_fwd"
+    return dispatch.run(OP, fn, backend, _d_unit(q), _d_unit(k), _d_unit(v), causal, scale, left, right, softcap)
 
 
 @_fwd.register_fake
@@ -143,8 +149,9 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ca
          left: int, right: int, softcap: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if q.numel() == 0 or k.numel() == 0:
         backend = "torch"
-    return dispatch.run(OP, "attention_bwd", backend, _d_unit(do), _d_unit(q), _d_unit(k), _d_unit(v), o, lse,
-                        causal, scale, left, right, softcap)
+    fn = "attention_masked_bwd" if _masked(causal, left, right, softcap) else "attention_bwd"
+    return dispatch.run(OP, fn, backend, _d_unit(do), _d_unit(q), _d_unit(k), _d_unit(v), o, lse, causal, scale,
+                        left, right, softcap)
 
 
 @_bwd.register_fake
@@ -252,5 +259,9 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dv = dv.reshape(B, Hk, group, *dv.shape[2:]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+
+# (a window or a cap: see _masked)
+attention_masked_fwd = attention_fwd
+attention_masked_bwd = attention_bwd
 
 _CALLS = Public(OP, _check, _body)

@@ -747,6 +747,11 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     return dq, dk, dv
 
 
+# Calls with a window or a cap, under names of their own: auto routes them by their own measurements.
+attention_masked_fwd = attention_fwd
+attention_masked_bwd = attention_bwd
+
+
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                          causal: bool, scale: float, left: int = -1, right: int = -1, softcap: float = 0.0
                          ) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ LATENCY_ROWS = 64  # at or below this many rows a call is host-bound: compare pe
 LATENCY_ELEMENTS = 64 * 4096
 TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary path) on a shape
 # Ops whose GPU work is not in (rows, n): matmul's N, the linear loss's vocabulary, attention's keys
-_WORK_BEYOND_ROWS = ("matmul", "fused_linear_cross_entropy", "attention")
+_WORK_BEYOND_ROWS = ("matmul", "fused_linear_cross_entropy", "attention", "attention_varlen")
 
 Point = tuple[int, int, float, float, str, str]  # rows, n, helion time, triton time, where, unit (and modes)
 

@@ -174,6 +174,10 @@ OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attenti
          "attention_d64_softcap": "attention", "attention_varlen_mixed": "attention_varlen",
          "attention_d64_varlen": "attention_varlen", "attention_d64_varlen_mixed": "attention_varlen",
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe"}
+# Variants the dispatcher routes by buckets of their own, "<op>:<name>_fwd" and "<op>:<name>_bwd" (attention's
+# window and cap run other kernels than its plain calls): bench op -> name.
+ROUTE_OF = {name: "attention_masked" for name in ("attention_window", "attention_softcap", "attention_d64_window",
+                                                   "attention_d64_softcap")}
 MOE = {"moe": (128, 8, 0.0), "moe_zipf": (128, 8, 1.2), "moe_mixtral": (8, 2, 0.0)}  # experts, top-k, Zipf exponent
 
 OPS: dict[str, OpInputs] = {
