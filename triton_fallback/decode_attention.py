@@ -27,6 +27,7 @@ once, are a few hundred kB beside hundreds of MB of cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import launch
+from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
@@ -230,38 +231,57 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
                          window_left: int, softcap: float) -> Tensor:
     """q [B, Hq, Sq, D], k_cache/v_cache [B, Hk, S_max, D] (unit stride along D), cache_seqlens [B] int32/int64 on
     q's device; window_left < 0: no window; softcap 0: none -> o [B, Hq, Sq, D] contiguous in q's dtype."""
+    return _bind(q, k_cache, v_cache, cache_seqlens, scale, window_left, softcap)(
+        q, k_cache, v_cache, cache_seqlens, scale, window_left, softcap)
+
+
+def _bind(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float, window_left: int,
+          softcap: float) -> Callable[..., Tensor]:
+    """decode_attention_fwd for every call of this signature (shapes, strides, dtypes, the options' values): the
+    checks, the split plan and both launches' settings found once; a call allocates and launches."""
     B, Hq, Hk, Sq, S, D = _check(q, k_cache, v_cache, cache_seqlens)
-    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
-    if o.numel() == 0:
-        return o
-    if S == 0:
-        return o.zero_()  # no cache: no query sees a key
-    seqlens = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
-    if softcap == 0.0 and scale < 0:  # the running max is of unscaled scores: give it (−q, −scale), the same scores
-        q, scale = -q, -scale
-    st = decode_attention_settings(D, q.dtype)
+    dtype, device = q.dtype, q.device
+    if B * Hq * Sq * D == 0 or S == 0:
+        # nothing to compute; no cache: no query sees a key
+        return lambda q, *_: torch.zeros((B, Hq, Sq, D), dtype=dtype, device=device)
+    flip = softcap == 0.0 and scale < 0  # the running max is of unscaled scores: (−q, −scale) gives the same scores
+    scale = -scale if flip else scale
+    st = decode_attention_settings(D, dtype)
     G = Hq // Hk
     block_m = max(16, next_pow2(min(G * Sq, st.max_rows)))
     n_rb = cdiv(G * Sq, block_m)
-    ns, chunk = split_plan(B * Hk * n_rb, S, st.block_n, st.min_chunk, st.programs_per_sm, q.device)
+    ns, chunk = split_plan(B * Hk * n_rb, S, st.block_n, st.min_chunk, st.programs_per_sm, device)
     if softcap > 0.0:
         qk_scale, cap_in, cap_out = LOG2E, scale / softcap, softcap
     else:
         qk_scale, cap_in, cap_out = scale * LOG2E, 1.0, 1.0
     split = ns > 1
-    if split:
-        o_part = torch.empty((B, Hq, Sq, ns, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hq, Sq, ns), dtype=torch.float32, device=q.device)
-    else:
-        o_part, lse_part = o, o  # (lse_part unused)
-    launch(_decode_attention_split_kernel, (B * Hk * n_rb, ns),
-           q, k_cache, v_cache, seqlens, o_part, lse_part,
-           *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-           Hk, G, Sq, S, ns, chunk, n_rb, max(window_left, 0), qk_scale, cap_in, cap_out,
-           HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=st.block_n, SOFTCAP=softcap > 0.0, WINDOW=window_left >= 0,
-           SPLIT=split, DOT="ieee" if q.dtype == torch.float32 else "native",
-           num_warps=st.num_warps, num_stages=st.num_stages)
-    if split:
-        launch(_decode_attention_combine_kernel, (B * Hq * Sq,), o_part, lse_part, o, ns,
-               HEAD_DIM=D, BLOCK_S=max(2, next_pow2(ns)), num_warps=4 if D <= 128 else 8)
-    return o
+    q_strides = (-q if flip else q).stride()[:3]  # (a negated view with gaps comes out dense)
+    strides = (*q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3])
+    rest = (Hk, G, Sq, S, ns, chunk, n_rb, max(window_left, 0), qk_scale, cap_in, cap_out)
+    attend = Bound(_decode_attention_split_kernel, (B * Hk * n_rb, ns), HEAD_DIM=D, BLOCK_M=block_m,
+                   BLOCK_N=st.block_n, SOFTCAP=softcap > 0.0, WINDOW=window_left >= 0, SPLIT=split,
+                   DOT="ieee" if dtype == torch.float32 else "native", num_warps=st.num_warps,
+                   num_stages=st.num_stages)
+    combine = Bound(_decode_attention_combine_kernel, (B * Hq * Sq,), HEAD_DIM=D, BLOCK_S=max(2, next_pow2(ns)),
+                    num_warps=4 if D <= 128 else 8)
+
+    def run(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, *_: object) -> Tensor:
+        o = torch.empty((B, Hq, Sq, D), dtype=dtype, device=device)
+        seqlens = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
+        if flip:
+            q = -q
+        if not split:
+            attend.go(q, k_cache, v_cache, seqlens, o, o, *strides, *rest)  # (the lse slot is unused)
+            return o
+        o_part = torch.empty((B, Hq, Sq, ns, D), dtype=torch.float32, device=device)
+        lse_part = torch.empty((B, Hq, Sq, ns), dtype=torch.float32, device=device)
+        attend.go(q, k_cache, v_cache, seqlens, o_part, lse_part, *strides, *rest)
+        combine.go(o_part, lse_part, o, ns)
+        return o
+
+    return run
+
+
+# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+decode_attention_fwd.bind = _bind  # type: ignore[attr-defined]
