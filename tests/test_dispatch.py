@@ -508,3 +508,22 @@ def test_jit_trace_records_the_custom_op(device):
     traced = torch.jit.trace(lambda t: hkernels.softmax(t), (x,), check_trace=False)
     assert "hkernels::softmax_fwd" in str(traced.graph)
     torch.testing.assert_close(traced(x), references.softmax(x))
+
+
+def test_auto_routes_windowed_attention_by_its_own_buckets(user_auto_table, monkeypatch, device):
+    """A call with a window or a cap runs where the table's ``attention:attention_masked_*`` buckets say, a plain
+    call where attention's own say: here Triton for the masked forward and backward, Helion for the plain ones."""
+    user_auto_table('{"attention": [{"max_rows": null, "max_n": null, "backend": "helion", "measured": "h"}],'
+                    ' "attention:attention_masked_fwd": [{"max_rows": null, "max_n": null, "backend": "triton",'
+                    ' "measured": "t"}],'
+                    ' "attention:attention_masked_bwd": [{"max_rows": null, "max_n": null, "backend": "triton",'
+                    ' "measured": "t"}]}')
+    q, k, v = (torch.randn(1, 2, 20, 16, device=device, requires_grad=True) for _ in range(3))
+    calls = {(b, fn): _spy(monkeypatch, b, "attention", fn) for b in ("helion", "triton")
+             for fn in ("attention_fwd", "attention_bwd", "attention_masked_fwd", "attention_masked_bwd")}
+    hkernels.attention(q, k, v, causal=True, window=(5, 0)).sum().backward()
+    hkernels.attention(q, k, v, causal=True, softcap=3.0).sum().backward()
+    hkernels.attention(q, k, v, causal=True).sum().backward()
+    ran = {key: len(c) for key, c in calls.items() if c}
+    assert ran == {("triton", "attention_masked_fwd"): 2, ("triton", "attention_masked_bwd"): 2,
+                   ("helion", "attention_fwd"): 1, ("helion", "attention_bwd"): 1}
