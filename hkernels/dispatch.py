@@ -626,9 +626,13 @@ def selected_backend(op: str, *args: Any, **kwargs: Any) -> Selection:
     routed = getattr(module, "routed", None)  # where the kernel sees other tensors than the call's arguments
     tensors = routed(bound.arguments) if routed is not None else _tensors(tuple(bound.arguments.values()))
     request = requested(op)
-    backend, reason = select(op, request, tensors, bucket_fn=f"{op}_fwd")
-    if request == "auto" and (backend, reason) == _measured_choice(op, tensors, f"{op}_fwd"):
-        backward = _measured_choice(op, tensors)  # the op's own buckets, which route its backward
+    forward_fn = getattr(module, "forward_fn", None)  # where the call's options pick the function it runs
+    fwd = forward_fn(bound.arguments) if forward_fn is not None else f"{op}_fwd"
+    backend, reason = select(op, request, tensors, bucket_fn=fwd)
+    if request == "auto" and (backend, reason) == _measured_choice(op, tensors, fwd):
+        # the backward's buckets: the op's own, or, for a function routed apart, its backward's before them
+        bwd = None if fwd == f"{op}_fwd" else fwd.removesuffix("_fwd") + "_bwd"
+        backward = _measured_choice(op, tensors, bwd)
         if backward is not None and backward[0] != backend:
             reason = f"{reason}; the backward: {backward[1]}"
     return Selection(backend, reason)

@@ -527,3 +527,6 @@ def test_auto_routes_windowed_attention_by_its_own_buckets(user_auto_table, monk
     ran = {key: len(c) for key, c in calls.items() if c}
     assert ran == {("triton", "attention_masked_fwd"): 2, ("triton", "attention_masked_bwd"): 2,
                    ("helion", "attention_fwd"): 1, ("helion", "attention_bwd"): 1}
+    assert hkernels.selected_backend("attention", q, k, v, causal=True, window=(5, 0)) == "triton"
+    assert hkernels.selected_backend("attention", q, k, v, softcap=3.0) == "triton"
+    assert hkernels.selected_backend("attention", q, k, v, causal=True) == "helion"

@@ -260,6 +260,14 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def forward_fn(arguments: dict[str, Any]) -> str:
+    """The forward function a call of :func:`attention` with these arguments runs (for ``selected_backend``)."""
+    causal = bool(arguments["causal"])
+    left, right = window_bounds(OP, arguments["window"], causal)
+    masked = _masked(causal, left, right, softcap_value(OP, arguments["softcap"]))
+    return "attention_masked_fwd" if masked else "attention_fwd"
+
+
 # (a window or a cap: see _masked)
 attention_masked_fwd = attention_fwd
 attention_masked_bwd = attention_bwd
