@@ -133,39 +133,23 @@ def test_cross_entropy_without_grad_and_second_backward(backend, device):
         loss.backward()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows_in_order", "packed_positions"])
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_rope_gradients_for_learned_tables(backend, device):
+def test_rope_gradients_for_learned_tables(backend, packed, device):
+    """Learned tables get their gradients: [S, D] read row by row, or [P, D] read at packed positions (a row read
+    by several tokens sums their gradients)."""
     q = torch.randn(2, 3, 5, 8, device=device, requires_grad=True)
     k = torch.randn(2, 1, 5, 8, device=device, requires_grad=True)
-    cos = torch.randn(5, 8, device=device, requires_grad=True)
-    sin = torch.randn(5, 8, device=device, requires_grad=True)
+    cos = torch.randn(9 if packed else 5, 8, device=device, requires_grad=True)
+    sin = torch.randn(9 if packed else 5, 8, device=device, requires_grad=True)
+    positions = [torch.tensor([[0, 1, 2, 0, 1], [4, 5, 6, 7, 8]], device=device)] if packed else []
     with hkernels.use_backend(backend):
-        qr, kr = hkernels.rope(q, k, cos, sin)
+        qr, kr = hkernels.rope(q, k, cos, sin, *positions)
     (qr.sum() * 2 + (kr * kr).sum()).backward()
     got = [t.grad.clone() for t in (q, k, cos, sin)]
     for t in (q, k, cos, sin):
         t.grad = None
-    qr, kr = references.rope(q, k, cos, sin)
-    (qr.sum() * 2 + (kr * kr).sum()).backward()
-    for g, t in zip(got, (q, k, cos, sin), strict=True):
-        torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_rope_gradients_for_learned_tables_at_positions(backend, device):
-    """Tables [P, D] read at packed positions (a row read by several tokens sums their gradients)."""
-    q = torch.randn(2, 3, 5, 8, device=device, requires_grad=True)
-    k = torch.randn(2, 1, 5, 8, device=device, requires_grad=True)
-    cos = torch.randn(9, 8, device=device, requires_grad=True)
-    sin = torch.randn(9, 8, device=device, requires_grad=True)
-    position_ids = torch.tensor([[0, 1, 2, 0, 1], [4, 5, 6, 7, 8]], device=device)
-    with hkernels.use_backend(backend):
-        qr, kr = hkernels.rope(q, k, cos, sin, position_ids)
-    (qr.sum() * 2 + (kr * kr).sum()).backward()
-    got = [t.grad.clone() for t in (q, k, cos, sin)]
-    for t in (q, k, cos, sin):
-        t.grad = None
-    qr, kr = references.rope(q, k, cos, sin, position_ids)
+    qr, kr = references.rope(q, k, cos, sin, *positions)
     (qr.sum() * 2 + (kr * kr).sum()).backward()
     for g, t in zip(got, (q, k, cos, sin), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
