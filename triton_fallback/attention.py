@@ -16,12 +16,14 @@ Specific to these kernels:
   (not multiplied by 0: a NaN there stays there; the blocks before it need no select), and they store by
   pointer (a TMA store clips only at the tensor's end). Rows of no sequence (before the first, after the last)
   get o = 0, lse = −∞ and zero gradients from a kernel that writes only those rows.
-- Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``); (2) a program per (kv block, kv
-  head) holds its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of
-  its group that see its keys; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise
-  deterministic: the default), or, as a launch option, by float32 atomics from the same walk into a zeroed
-  [B, Hq, S, D] buffer (5 matmuls per tile; the summation order is not fixed, so dq may differ in the last bits
-  from run to run; smaller dk/dv tiles at D = 128). dk and dv are deterministic either way.
+- Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``), written with lse·log2 e as one
+  (lse, delta) pair per row, so that the walks below read a row's two numbers in one aligned 8-byte load wherever a
+  packed sequence starts; (2) a program per (kv block, kv head) holds its K/V tile and dk, dv accumulators in
+  registers and walks the query blocks of every query head of its group that see its keys; (3) dq by a separate kernel
+  over query blocks (7 matmuls per tile, bitwise deterministic: the default), or, as a launch option, by float32
+  atomics from the same walk into a zeroed [B, Hq, S, D] buffer (5 matmuls per tile; the summation order is not fixed,
+  so dq may differ in the last bits from run to run; smaller dk/dv tiles at D = 128). dk and dv are deterministic
+  either way.
 - Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
   when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
   their scores are finite, and masks or a lse of +inf keep them out of every stored result.
@@ -326,12 +328,14 @@ def _attention_fwd_kernel(
 @triton.jit
 def _attention_bwd_delta_kernel(
     o, do,  # [B, Hq, S, D] pointers, unit stride along D
-    delta_ptr,  # [B, Hq, S] float32 out: scale · rowsum(do·o)
+    lse_ptr,  # [B, Hq, S] float32: the forward's lse (natural log)
+    ld_ptr,  # [B, Hq, S, 2] float32 out: (lse·log2 e, delta = scale · rowsum(do·o)) per query row
     stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds,
     Hq, S, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    # Reads BLOCK_M rows of o and do once, writes BLOCK_M floats.
+    # Reads BLOCK_M rows of o and do and BLOCK_M floats of lse once, writes 2·BLOCK_M floats. The pairs let the
+    # dk/dv kernel read both numbers of a row in one 8-byte load at any row (a packed sequence starts anywhere).
     pid = tl.program_id(0)
     n_m = tl.cdiv(S, BLOCK_M)
     bh = pid // n_m
@@ -342,18 +346,21 @@ def _attention_bwd_delta_kernel(
     do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, False, False)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * scale
     rows = m0 + tl.arange(0, BLOCK_M)
-    tl.store(delta_ptr + bh.to(tl.int64) * S + rows, delta, mask=rows < S)
+    row_off = bh.to(tl.int64) * S + rows
+    lse2 = tl.load(lse_ptr + row_off, mask=rows < S, other=0.0) * 1.4426950408889634
+    pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(ld_ptr + pairs, tl.join(lse2, delta), mask=(rows < S)[:, None])
 
 
 @triton.jit
 def _attention_bwd_dkdv_inner(
     dk, dv, k_tile, v_tile,  # dk, dv [BLOCK_N, D] float32 accumulators; this program's K and V tiles
-    q, do, lse_ptr, delta_ptr, dq_ptr,
+    q, do, ld_ptr, dq_ptr,
     b, hk, GROUP, Hq, n0, lo, n_steps, shift, q0, Sq, S, Sk, off, left, right, qk_scale, scale, cap_in, cap_out,
     stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
-    CLIP: tl.constexpr, DOT: tl.constexpr,
+    CLIP: tl.constexpr, INSIDE: tl.constexpr, DOT: tl.constexpr,
 ):
     # Walks n_steps query blocks from row lo of the sequence whose queries start at row q0, for each of the GROUP
     # query heads of kv head hk, in one flat loop (one software pipeline, no nested loop state). Within a head the
@@ -362,20 +369,26 @@ def _attention_bwd_dkdv_inner(
     # adds ds·k to the float32 dq rows. Scores are computed transposed, sᵀ = k·qᵀ [BLOCK_N, BLOCK_M], so that
     # dv += pᵀ·do and dk += dsᵀ·q need no transposition. MASK: keep the scores _keep keeps; without it, keys
     # past Sk (zero rows of k, v, fixed-length only) still get finite p, whose dk, dv rows are never stored, and
-    # their zero k rows add 0 to dq.
+    # their zero k rows add 0 to dq. INSIDE: every query row walked lies inside the sequence (no row mask).
     cols = n0 + tl.arange(0, BLOCK_N)
     # (a loop of no steps still has its first addresses computed ahead by the software pipeline: never divide by 0)
     steps = tl.maximum(n_steps, 1)
+    # (lse·log2 e, delta) pairs of the group's first head's rows: one 64-bit base, 32-bit offsets in the loop
+    ld_base = ld_ptr + ((b * Hq + hk * GROUP).to(tl.int64) * S + q0) * 2
     for t in range(0, GROUP * n_steps):
         g = t // steps
         h = hk * GROUP + g
         m0 = lo + ((t - g * steps + shift) % steps) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows  # into [B, Hq, S]
+        pairs = (g * S + rows)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [BLOCK_M, 2] from ld_base
         q_tile = _load_tile(q, b, h, q0 + m0, q0 + Sq, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA,
                             CLIP)
         # Rows past Sq: lse = +inf makes their p zero.
-        lse2 = tl.load(lse_ptr + row_off, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
+        if INSIDE:
+            lse2, delta = tl.split(tl.load(ld_base + pairs))
+        else:
+            lse2, delta = tl.split(tl.load(ld_base + pairs, mask=(rows < Sq)[:, None], other=0.0))
+            lse2 = tl.where(rows < Sq, lse2, float("inf"))
         s_t = _dot(k_tile, tl.trans(q_tile), None, DOT)
         if SOFTCAP:
             tanh_t = _tanh(s_t * cap_in)
@@ -386,7 +399,6 @@ def _attention_bwd_dkdv_inner(
         do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
                              CLIP)
         dv = _dot(p_t.to(do_tile.dtype), do_tile, dv, DOT)
-        delta = tl.load(delta_ptr + row_off, mask=rows < Sq, other=0.0)
         dp_t = _dot(v_tile, tl.trans(do_tile), None, DOT)
         # ds prescaled by `scale` (delta already is): dk and dq need no scaling afterwards
         ds_t = p_t * (dp_t * scale - delta[None, :])
@@ -396,7 +408,8 @@ def _attention_bwd_dkdv_inner(
         dk = _dot(ds_t, q_tile, dk, DOT)
         if DQ_ATOMIC:
             dq_part = _dot(tl.trans(ds_t), k_tile, None, DOT)
-            ptrs = dq_ptr + row_off[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+            dq_row = (b * Hq + h).to(tl.int64) * S + q0 + rows
+            ptrs = dq_ptr + dq_row[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
             tl.atomic_add(ptrs, dq_part, mask=(rows < Sq)[:, None], sem="relaxed")
     return dk, dv
 
@@ -404,7 +417,7 @@ def _attention_bwd_dkdv_inner(
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q, k, v, do, dk_out, dv_out,  # q, do [B, Hq, S, D]; k, v, dk_out, dv_out [B, Hk, Skv, D]
-    lse_ptr, delta_ptr,  # [B, Hq, S] float32: lse (natural log), scale · rowsum(do·o)
+    ld_ptr,  # [B, Hq, S, 2] float32: (lse·log2 e, scale · rowsum(do·o)) per query row
     dq_ptr,  # [B, Hq, S, D] float32, contiguous, zeroed (used only with DQ_ATOMIC)
     cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -412,11 +425,14 @@ def _attention_bwd_dkdv_kernel(
     Hk, GROUP, S, Skv, n_n, qk_scale, scale, left, right, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr, DOT: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr, ROWS_IN: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    # One key block of one kv head: reads its K/V rows once, the q/do rows of every query head of the group
-    # that can see them, writes its dk, dv rows once. Key blocks of a head are neighbours in launch order (they
-    # share q/do in L2); with a right bound (causal) the first blocks are seen by the most queries and run first.
+    # One key block of one kv head: reads its K/V rows once, the q/do rows of every query head of the group that
+    # can see them, writes its dk, dv rows once. Key blocks of a head are neighbours in launch order (they share
+    # q/do in L2); with a right bound (causal) the first blocks are seen by the most queries and run first.
+    # ROWS_IN: the unmasked walks reach no row past a sequence's end (packed: they stop at its last whole block;
+    # fixed length: S is a multiple of BLOCK_M), so they read lse and delta without a row mask.
     b, hk, pid_n, q0, Sq, k0, Sk = _program(tl.program_id(0), n_n, Hk, S, Skv, cu_q, cu_k, False, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= Sk:  # packed: past this sequence's end
@@ -439,30 +455,30 @@ def _attention_bwd_dkdv_kernel(
         a, u0, u1 = _blocks(lo, hi, flo, fhi, BLOCK_M)
         hi = tl.maximum(hi, u1)
         dk, dv = _attention_bwd_dkdv_inner(
-            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
             b, hk, GROUP, Hq, n0, a, (u0 - a) // BLOCK_M, 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
             cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
         )
         dk, dv = _attention_bwd_dkdv_inner(
-            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
             b, hk, GROUP, Hq, n0, u0, (u1 - u0) // BLOCK_M, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
             cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, ROWS_IN, DOT,
         )
         mid = _clip_from(u1, hi, Sq, BLOCK_M, VARLEN)
         dk, dv = _attention_bwd_dkdv_inner(
-            dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+            dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
             b, hk, GROUP, Hq, n0, u1, tl.cdiv(mid - u1, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right, qk_scale,
             scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
         )
         if VARLEN:
             dk, dv = _attention_bwd_dkdv_inner(
-                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+                dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
                 b, hk, GROUP, Hq, n0, mid, tl.cdiv(hi - mid, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right,
                 qk_scale, scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, True, DOT,
+                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, True, False, DOT,
             )
     else:
         # No mask: every query sees the block; a partial key block is masked (a very negative lse could make the
@@ -470,17 +486,17 @@ def _attention_bwd_dkdv_kernel(
         n_m = tl.cdiv(Sq, BLOCK_M)
         if n0 + BLOCK_N <= Sk:
             dk, dv = _attention_bwd_dkdv_inner(
-                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+                dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
                 b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
                 cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+                BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, ROWS_IN, DOT,
             )
         else:
             dk, dv = _attention_bwd_dkdv_inner(
-                dk, dv, k_tile, v_tile, q, do, lse_ptr, delta_ptr, dq_ptr,
+                dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
                 b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
                 cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, DOT,
+                BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
             )
     _store_tile(dk_out, dk.to(k_tile.dtype), b, hk, k0 + n0, k0 + Sk, stride_gb, stride_gh, stride_gs,
                 BLOCK_N, HEAD_DIM, OUT_TMA)
@@ -520,7 +536,7 @@ def _attention_bwd_dq_inner(
 @triton.jit
 def _attention_bwd_dq_kernel(
     q, k, v, do, dq_out,  # q, do, dq_out [B, Hq, S, D]; k, v [B, Hk, Skv, D]
-    lse_ptr, delta_ptr,  # [B, Hq, S] float32
+    ld_ptr,  # [B, Hq, S, 2] float32: (lse·log2 e, delta) per query row
     cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_gb, stride_gh, stride_gs,  # g: dq_out
@@ -542,8 +558,9 @@ def _attention_bwd_dq_kernel(
     do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
                          False)
     row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows
-    lse2 = tl.load(lse_ptr + row_off, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + row_off, mask=rows < Sq, other=0.0)
+    pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
+    lse2, delta = tl.split(tl.load(ld_ptr + pairs, mask=(rows < Sq)[:, None], other=0.0))
+    lse2 = tl.where(rows < Sq, lse2, float("inf"))
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     a, u0, u1, hi = _key_blocks(m0, Sq, Sk, off, left, right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
     if LEFT:  # masked blocks at a window's left edge
@@ -775,27 +792,28 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
     Hk, Skv = k.shape[1], k.shape[2]
     varlen = cu is not None
     n_seq = B if cu is None else cu[0].shape[0] - 1
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    cu_q, cu_k = cu if cu is not None else (delta, delta)  # (unread without VARLEN)
+    ld = torch.empty((B, Hq, S, 2), dtype=torch.float32, device=q.device)
+    cu_q, cu_k = cu if cu is not None else (ld, ld)  # (unread without VARLEN)
     block = 64 if interpreting() else 128
     launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
+        o, do, lse, ld, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
         HEAD_DIM=D, BLOCK_M=block, num_warps=4,
     )
     dot = _dot_mode(q.dtype)
     s = attention_settings(D, q.dtype, m.RIGHT, "dkdv")
     tma = s.tma and _tma_ok(q, k, v, do, dk, dv)
-    dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else delta
+    dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else ld
     n_n = cdiv(rows_k, s.block_n)
     launch(_attention_bwd_dkdv_kernel, (n_seq * Hk * n_n,),
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
-        _arg(dk, s.block_n, tma and not varlen), _arg(dv, s.block_n, tma and not varlen), lse, delta, dq32,
+        _arg(dk, s.block_n, tma and not varlen), _arg(dv, s.block_n, tma and not varlen), ld, dq32,
         cu_q, cu_k,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
         Hk, Hq // Hk, S, Skv, n_n, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
         HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
         DQ_ATOMIC=s.dq_atomic, TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
-        WALK=m.LEFT or m.RIGHT or varlen, DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
+        WALK=m.LEFT or m.RIGHT or varlen, ROWS_IN=varlen or S % s.block_m == 0, DOT=dot, num_warps=s.num_warps,
+        num_stages=s.num_stages,
     )
     if s.dq_atomic:
         dq.copy_(dq32)
@@ -805,7 +823,7 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
     n_m = cdiv(rows_q, s.block_m)
     launch(_attention_bwd_dq_kernel, (n_seq * Hq * n_m,),
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
-        _arg(dq, s.block_m, tma and not varlen), lse, delta, cu_q, cu_k,
+        _arg(dq, s.block_m, tma and not varlen), ld, cu_q, cu_k,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         Hq, Hq // Hk, S, Skv, n_m, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
         HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
