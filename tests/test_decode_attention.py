@@ -50,6 +50,20 @@ def test_rows_past_each_length_are_never_read(backend, dtype, device):
     assert problem is None, problem
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_calls_read_each_calls_lengths_and_options(backend, device):
+    """Calls of one signature after the first run in one step (the plan's bound kernel): each still reads its own
+    lengths and data, and a call with other option values (scale, window, softcap) is its own signature."""
+    q, k, v, lengths = _inputs(device, torch.float32)
+    calls = [(lengths, {}), (lengths.flip(0), {}), (lengths.flip(0), {}),
+             (lengths, {"scale": 0.5, "window": (5, None)}), (lengths, {"softcap": 10.0})]
+    with hkernels.use_backend(backend):
+        for i, (n, options) in enumerate(calls):
+            got = hkernels.decode_attention(q * (i + 1), k, v, n, **options)
+            want = references.decode_attention((q * (i + 1)).double(), k.double(), v.double(), n, **options)
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"call {i}: {m}")
+
+
 def test_a_full_cache_of_new_tokens_is_causal_attention(device):
     """Sq = L = S_max: every new token at its own position, which is causal self-attention."""
     q, k, v, _ = _inputs(device, torch.float32, b=2, sq=33, s_max=33)

@@ -15,7 +15,7 @@ accumulation; the softcap's tanh is 1 − 2 / (2^(2x·log2 e) + 1).
 
 Shapes: q [B, Hq, Sq, D]; k, v [B, Hk, S_max, D], any strides with unit stride along D (transposed views of
 [B, S_max, Hk, D] caches are read in place); cache_seqlens [B] int32 or int64, clamped to [0, S_max]; o [B, Hq, Sq,
-D] contiguous in q's dtype; partials [B, Hq, Sq, NS, D] and [B, Hq, Sq, NS] float32.
+D] contiguous in q's dtype; partials [B, Hq, Sq, NS, D] and [B, Hq, Sq, NS] float32, one allocation.
 
 Work and traffic: 4·B·Hq·Sq·L·D flops against 2·B·Hk·L·D elements of K/V, each read once (rows past L_b and, with a
 window, before it never): G·Sq flops per cache element, far below what the tensor cores could use, so the kernel
@@ -58,9 +58,10 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 def _decode_attention_split_kernel(
     q, k, v,  # q [B, Hq, Sq, D], k/v [B, Hk, S_max, D]: unit stride along D
     seqlens,  # [B] int32 or int64: valid cache rows per sequence
-    o_part, lse_part,  # SPLIT: [B, Hq, Sq, NS, D] and [B, Hq, Sq, NS] float32 out; else o_part is o [B, Hq, Sq, D]
+    o_part, lse_part,  # SPLIT: [B, Hq, Sq, NS, D] and, from lse_part + LSE_OFF, [B, Hq, Sq, NS] float32 out; else
+    # o_part is o [B, Hq, Sq, D]
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    Hk, GROUP, SQ, S_MAX, NS, CHUNK, N_RB,  # N_RB: row blocks per key/value head (G·Sq > BLOCK_M)
+    Hk, GROUP, SQ, S_MAX, NS, CHUNK, N_RB, LSE_OFF,  # N_RB: row blocks per key/value head (G·Sq > BLOCK_M)
     window_left, qk_scale, cap_in, cap_out,  # qk_scale: log2 e times the scale (1 with a softcap); cap_in = scale/c
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
@@ -128,7 +129,7 @@ def _decode_attention_split_kernel(
     row = (b * Hk * GROUP + h).to(tl.int64) * SQ + t  # flat (b, h, t)
     if SPLIT:
         lse = tl.where(empty, -float("inf"), m_i * qk_scale + tl.math.log2(l_i))
-        tl.store(lse_part + row * NS + split, lse, mask=row_ok)
+        tl.store(lse_part + LSE_OFF + row * NS + split, lse, mask=row_ok)
         tl.store(o_part + (row * NS + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
     else:
         tl.store(o_part + row[:, None] * HEAD_DIM + dims[None, :], out.to(o_part.dtype.element_ty),
@@ -137,16 +138,16 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    o_part, lse_part,  # [R, NS, D] and [R, NS] float32: R = B·Hq·Sq rows
+    o_part, lse_part,  # [R, NS, D] and, from lse_part + LSE_OFF, [R, NS] float32: R = B·Hq·Sq rows
     o,  # [R, D] out, q's dtype
-    NS,
+    NS, LSE_OFF,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # One row: reads its NS partials once, writes its output once. o = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m).
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_part + row * NS + splits, mask=splits < NS, other=-float("inf"))
+    lse = tl.load(lse_part + LSE_OFF + row * NS + splits, mask=splits < NS, other=-float("inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == -float("inf"), 0.0, m)  # every chunk empty: weights 0, output 0
     w = tl.math.exp2(lse - m)
@@ -258,7 +259,10 @@ def _bind(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, sc
     split = ns > 1
     q_strides = (-q if flip else q).stride()[:3]  # (a negated view with gaps comes out dense)
     strides = (*q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3])
-    rest = (Hk, G, Sq, S, ns, chunk, n_rb, max(window_left, 0), qk_scale, cap_in, cap_out)
+    # the partials: o's [B, Hq, Sq, NS, D] then lse's [B, Hq, Sq, NS], float32, in one allocation
+    lse_off = B * Hq * Sq * ns * D
+    parts = lse_off + B * Hq * Sq * ns
+    rest = (Hk, G, Sq, S, ns, chunk, n_rb, lse_off if ns > 1 else 0, max(window_left, 0), qk_scale, cap_in, cap_out)
     attend = Bound(_decode_attention_split_kernel, (B * Hk * n_rb, ns), HEAD_DIM=D, BLOCK_M=block_m,
                    BLOCK_N=st.block_n, SOFTCAP=softcap > 0.0, WINDOW=window_left >= 0, SPLIT=split,
                    DOT="ieee" if dtype == torch.float32 else "native", num_warps=st.num_warps,
@@ -274,10 +278,9 @@ def _bind(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, sc
         if not split:
             attend.go(q, k_cache, v_cache, seqlens, o, o, *strides, *rest)  # (the lse slot is unused)
             return o
-        o_part = torch.empty((B, Hq, Sq, ns, D), dtype=torch.float32, device=device)
-        lse_part = torch.empty((B, Hq, Sq, ns), dtype=torch.float32, device=device)
-        attend.go(q, k_cache, v_cache, seqlens, o_part, lse_part, *strides, *rest)
-        combine.go(o_part, lse_part, o, ns)
+        part = torch.empty(parts, dtype=torch.float32, device=device)
+        attend.go(q, k_cache, v_cache, seqlens, part, part, *strides, *rest)
+        combine.go(part, part, o, ns, lse_off)
         return o
 
     return run

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, call, compute_dtype
+from hkernels.functional._base import Public, Tensor, bound, call, compute_dtype, wants_grad
 from hkernels.functional.attention import check_qkv, softcap_value, window_bounds
 
 OP = "decode_attention"
@@ -139,4 +139,18 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
                    softcap or None)
 
 
-_CALLS = Public(OP, _check, _body)
+def _fast(plan: Any, request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+          scale: float | None, window: tuple[int | None, int | None] | None, softcap: float | None) -> Any:
+    """Calls of this signature in one step: the kernel function the plan ran, with the options' kernel arguments
+    found once (they are part of the signature)."""
+    run = bound(plan, "decode_attention_fwd")
+    if (run is None or wants_grad(q, k_cache, v_cache) or q.numel() == 0 or k_cache.numel() == 0
+            or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):  # (the body copies those)
+        return None
+    s = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    left, _ = window_bounds(OP, window, True)
+    cap = softcap_value(OP, softcap)
+    return lambda q, k_cache, v_cache, cache_seqlens, *_: run(q, k_cache, v_cache, cache_seqlens, s, left, cap)
+
+
+_CALLS = Public(OP, _check, _body, _fast)
