@@ -329,13 +329,14 @@ def _attention_fwd_kernel(
 def _attention_bwd_delta_kernel(
     o, do,  # [B, Hq, S, D] pointers, unit stride along D
     lse_ptr,  # [B, Hq, S] float32: the forward's lse (natural log)
-    ld_ptr,  # [B, Hq, S, 2] float32 out: (lse·log2 e, delta = scale · rowsum(do·o)) per query row
+    ld_ptr,  # 2·B·Hq·S float32 out: lse·log2 e and delta = scale · rowsum(do·o) per query row (see PAIRS)
     stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds,
-    Hq, S, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    Hq, S, PLANE, scale,  # PLANE = B·Hq·S
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    # Reads BLOCK_M rows of o and do and BLOCK_M floats of lse once, writes 2·BLOCK_M floats. The pairs let the
-    # dk/dv kernel read both numbers of a row in one 8-byte load at any row (a packed sequence starts anywhere).
+    # Reads BLOCK_M rows of o and do and BLOCK_M floats of lse once, writes 2·BLOCK_M floats: PAIRS, one
+    # (lse, delta) pair per row ([B, Hq, S, 2]), which the dk/dv walk reads in one 8-byte load at any row (a packed
+    # sequence starts anywhere); else two planes, lse's [B, Hq, S] then delta's.
     pid = tl.program_id(0)
     n_m = tl.cdiv(S, BLOCK_M)
     bh = pid // n_m
@@ -348,15 +349,19 @@ def _attention_bwd_delta_kernel(
     rows = m0 + tl.arange(0, BLOCK_M)
     row_off = bh.to(tl.int64) * S + rows
     lse2 = tl.load(lse_ptr + row_off, mask=rows < S, other=0.0) * 1.4426950408889634
-    pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
-    tl.store(ld_ptr + pairs, tl.join(lse2, delta), mask=(rows < S)[:, None])
+    if PAIRS:
+        pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
+        tl.store(ld_ptr + pairs, tl.join(lse2, delta), mask=(rows < S)[:, None])
+    else:
+        tl.store(ld_ptr + row_off, lse2, mask=rows < S)
+        tl.store(ld_ptr + PLANE + row_off, delta, mask=rows < S)
 
 
 @triton.jit
 def _attention_bwd_dkdv_inner(
     dk, dv, k_tile, v_tile,  # dk, dv [BLOCK_N, D] float32 accumulators; this program's K and V tiles
     q, do, ld_ptr, dq_ptr,
-    b, hk, GROUP, Hq, n0, lo, n_steps, shift, q0, Sq, S, Sk, off, left, right, qk_scale, scale, cap_in, cap_out,
+    b, hk, GROUP, Hq, n0, lo, n_steps, shift, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale, scale, cap_in, cap_out,
     stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr,
@@ -373,22 +378,38 @@ def _attention_bwd_dkdv_inner(
     cols = n0 + tl.arange(0, BLOCK_N)
     # (a loop of no steps still has its first addresses computed ahead by the software pipeline: never divide by 0)
     steps = tl.maximum(n_steps, 1)
-    # (lse·log2 e, delta) pairs of the group's first head's rows: one 64-bit base, 32-bit offsets in the loop
-    ld_base = ld_ptr + ((b * Hq + hk * GROUP).to(tl.int64) * S + q0) * 2
+    # lse·log2 e and delta: without a cap, the pairs of the group's first head's rows from one 64-bit base (32-bit
+    # offsets in the loop); with one, the planes by full offsets (a base held across the loop spills registers
+    # beside the cap's tanh tile)
+    if SOFTCAP:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+        ld_base = ld_ptr
+    else:
+        ld_base = ld_ptr + ((b * Hq + hk * GROUP).to(tl.int64) * S + q0) * 2
     for t in range(0, GROUP * n_steps):
         g = t // steps
         h = hk * GROUP + g
         m0 = lo + ((t - g * steps + shift) % steps) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
-        pairs = (g * S + rows)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [BLOCK_M, 2] from ld_base
+        if SOFTCAP:  # noqa: SIM108 (a constexpr branch: one side is compiled)
+            row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows
+        else:
+            row_off = g * S + rows  # from ld_base
         q_tile = _load_tile(q, b, h, q0 + m0, q0 + Sq, stride_qb, stride_qh, stride_qs, BLOCK_M, HEAD_DIM, TMA,
                             CLIP)
-        # Rows past Sq: lse = +inf makes their p zero.
-        if INSIDE:
-            lse2, delta = tl.split(tl.load(ld_base + pairs))
+        # Rows past Sq: lse = +inf makes their p zero. With a cap, whose tanh tile stays live to the end, lse and
+        # delta come from their planes, delta where it is used (a pair held from the start spills registers there).
+        if SOFTCAP:
+            if INSIDE:
+                lse2 = tl.load(ld_base + row_off)
+            else:
+                lse2 = tl.load(ld_base + row_off, mask=rows < Sq, other=float("inf"))
         else:
-            lse2, delta = tl.split(tl.load(ld_base + pairs, mask=(rows < Sq)[:, None], other=0.0))
-            lse2 = tl.where(rows < Sq, lse2, float("inf"))
+            pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
+            if INSIDE:
+                lse2, delta = tl.split(tl.load(ld_base + pairs))
+            else:
+                lse2, delta = tl.split(tl.load(ld_base + pairs, mask=(rows < Sq)[:, None], other=0.0))
+                lse2 = tl.where(rows < Sq, lse2, float("inf"))
         s_t = _dot(k_tile, tl.trans(q_tile), None, DOT)
         if SOFTCAP:
             tanh_t = _tanh(s_t * cap_in)
@@ -399,6 +420,11 @@ def _attention_bwd_dkdv_inner(
         do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
                              CLIP)
         dv = _dot(p_t.to(do_tile.dtype), do_tile, dv, DOT)
+        if SOFTCAP:
+            if INSIDE:
+                delta = tl.load(ld_base + PLANE + row_off)
+            else:
+                delta = tl.load(ld_base + PLANE + row_off, mask=rows < Sq, other=0.0)
         dp_t = _dot(v_tile, tl.trans(do_tile), None, DOT)
         # ds prescaled by `scale` (delta already is): dk and dq need no scaling afterwards
         ds_t = p_t * (dp_t * scale - delta[None, :])
@@ -417,12 +443,12 @@ def _attention_bwd_dkdv_inner(
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q, k, v, do, dk_out, dv_out,  # q, do [B, Hq, S, D]; k, v, dk_out, dv_out [B, Hk, Skv, D]
-    ld_ptr,  # [B, Hq, S, 2] float32: (lse·log2 e, scale · rowsum(do·o)) per query row
+    ld_ptr,  # lse·log2 e and scale · rowsum(do·o) per query row: [B, Hq, S, 2] pairs, planes with SOFTCAP
     dq_ptr,  # [B, Hq, S, D] float32, contiguous, zeroed (used only with DQ_ATOMIC)
     cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_gb, stride_gh, stride_gs,  # g: dk_out and dv_out (same layout)
-    Hk, GROUP, S, Skv, n_n, qk_scale, scale, left, right, cap_in, cap_out,
+    Hk, GROUP, S, Skv, n_n, PLANE, qk_scale, scale, left, right, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr, ROWS_IN: tl.constexpr,
@@ -456,27 +482,27 @@ def _attention_bwd_dkdv_kernel(
         hi = tl.maximum(hi, u1)
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, a, (u0 - a) // BLOCK_M, 0, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+            b, hk, GROUP, Hq, n0, a, (u0 - a) // BLOCK_M, 0, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale, scale,
             cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
             BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
         )
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, u0, (u1 - u0) // BLOCK_M, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
-            cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
+            b, hk, GROUP, Hq, n0, u0, (u1 - u0) // BLOCK_M, pid_n, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale,
+            scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
             BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, ROWS_IN, DOT,
         )
         mid = _clip_from(u1, hi, Sq, BLOCK_M, VARLEN)
         dk, dv = _attention_bwd_dkdv_inner(
             dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-            b, hk, GROUP, Hq, n0, u1, tl.cdiv(mid - u1, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right, qk_scale,
+            b, hk, GROUP, Hq, n0, u1, tl.cdiv(mid - u1, BLOCK_M), 0, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale,
             scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
             BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
         )
         if VARLEN:
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-                b, hk, GROUP, Hq, n0, mid, tl.cdiv(hi - mid, BLOCK_M), 0, q0, Sq, S, Sk, off, left, right,
+                b, hk, GROUP, Hq, n0, mid, tl.cdiv(hi - mid, BLOCK_M), 0, q0, Sq, S, PLANE, Sk, off, left, right,
                 qk_scale, scale, cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
                 BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, True, False, DOT,
             )
@@ -487,14 +513,14 @@ def _attention_bwd_dkdv_kernel(
         if n0 + BLOCK_N <= Sk:
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale, scale,
                 cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
                 BLOCK_M, BLOCK_N, HEAD_DIM, False, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, ROWS_IN, DOT,
             )
         else:
             dk, dv = _attention_bwd_dkdv_inner(
                 dk, dv, k_tile, v_tile, q, do, ld_ptr, dq_ptr,
-                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, Sk, off, left, right, qk_scale, scale,
+                b, hk, GROUP, Hq, n0, 0, n_m, pid_n, q0, Sq, S, PLANE, Sk, off, left, right, qk_scale, scale,
                 cap_in, cap_out, stride_qb, stride_qh, stride_qs, stride_db, stride_dh, stride_ds,
                 BLOCK_M, BLOCK_N, HEAD_DIM, True, LEFT, RIGHT, SOFTCAP, DQ_ATOMIC, TMA, False, False, DOT,
             )
@@ -536,11 +562,11 @@ def _attention_bwd_dq_inner(
 @triton.jit
 def _attention_bwd_dq_kernel(
     q, k, v, do, dq_out,  # q, do, dq_out [B, Hq, S, D]; k, v [B, Hk, Skv, D]
-    ld_ptr,  # [B, Hq, S, 2] float32: (lse·log2 e, delta) per query row
+    ld_ptr,  # lse·log2 e and delta per query row: [B, Hq, S, 2] pairs, planes with SOFTCAP
     cu_q, cu_k,  # VARLEN: [N + 1] int32 sequence bounds (B = 1)
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_gb, stride_gh, stride_gs,  # g: dq_out
-    Hq, GROUP, S, Skv, n_m, qk_scale, scale, left, right, cap_in, cap_out,
+    Hq, GROUP, S, Skv, n_m, PLANE, qk_scale, scale, left, right, cap_in, cap_out,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
@@ -558,9 +584,13 @@ def _attention_bwd_dq_kernel(
     do_tile = _load_tile(do, b, h, q0 + m0, q0 + Sq, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, TMA,
                          False)
     row_off = (b * Hq + h).to(tl.int64) * S + q0 + rows
-    pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
-    lse2, delta = tl.split(tl.load(ld_ptr + pairs, mask=(rows < Sq)[:, None], other=0.0))
-    lse2 = tl.where(rows < Sq, lse2, float("inf"))
+    if SOFTCAP:
+        lse2 = tl.load(ld_ptr + row_off, mask=rows < Sq, other=float("inf"))
+        delta = tl.load(ld_ptr + PLANE + row_off, mask=rows < Sq, other=0.0)
+    else:
+        pairs = row_off[:, None] * 2 + tl.arange(0, 2)[None, :]
+        lse2, delta = tl.split(tl.load(ld_ptr + pairs, mask=(rows < Sq)[:, None], other=0.0))
+        lse2 = tl.where(rows < Sq, lse2, float("inf"))
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     a, u0, u1, hi = _key_blocks(m0, Sq, Sk, off, left, right, BLOCK_M, BLOCK_N, LEFT, RIGHT)
     if LEFT:  # masked blocks at a window's left edge
@@ -796,8 +826,8 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
     cu_q, cu_k = cu if cu is not None else (ld, ld)  # (unread without VARLEN)
     block = 64 if interpreting() else 128
     launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
-        o, do, lse, ld, *o.stride()[:3], *do.stride()[:3], Hq, S, scale,
-        HEAD_DIM=D, BLOCK_M=block, num_warps=4,
+        o, do, lse, ld, *o.stride()[:3], *do.stride()[:3], Hq, S, B * Hq * S, scale,
+        HEAD_DIM=D, BLOCK_M=block, PAIRS=not m.SOFTCAP, num_warps=4,
     )
     dot = _dot_mode(q.dtype)
     s = attention_settings(D, q.dtype, m.RIGHT, "dkdv")
@@ -809,7 +839,7 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
         _arg(dk, s.block_n, tma and not varlen), _arg(dv, s.block_n, tma and not varlen), ld, dq32,
         cu_q, cu_k,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
-        Hk, Hq // Hk, S, Skv, n_n, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
+        Hk, Hq // Hk, S, Skv, n_n, B * Hq * S, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
         HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
         DQ_ATOMIC=s.dq_atomic, TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
         WALK=m.LEFT or m.RIGHT or varlen, ROWS_IN=varlen or S % s.block_m == 0, DOT=dot, num_warps=s.num_warps,
@@ -825,7 +855,7 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
         _arg(q, s.block_m, tma), _arg(k, s.block_n, tma), _arg(v, s.block_n, tma), _arg(do, s.block_m, tma),
         _arg(dq, s.block_m, tma and not varlen), ld, cu_q, cu_k,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        Hq, Hq // Hk, S, Skv, n_m, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
+        Hq, Hq // Hk, S, Skv, n_m, B * Hq * S, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
         HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
         TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
         DOT=dot, num_warps=s.num_warps, num_stages=s.num_stages,
