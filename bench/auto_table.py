@@ -47,6 +47,8 @@ def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
         return m * (n // head_dim) * max(k, 1), head_dim
     if op in ("matmul", "grouped_matmul"):
         return m, k  # a [M, K]; x [M, K]
+    if op == "decode_attention":
+        return max(k, 1) * (n // HEAD_DIM), HEAD_DIM  # q [B, Hq, 1, D]
     return m, n
 
 

@@ -47,7 +47,8 @@ class OpBench:
     dim: str  # what N is: "hidden", "inter" or "vocab"
     passes: tuple[int, int] | None = None  # [M, N]-sized tensors the forward and the backward must move
     params: int = 0  # [N]-shaped parameters (read by the forward; their gradients written by the backward)
-    bytes_fn: Callable[[str, int, int, int], int] | None = None  # instead of passes: (mode, M, N, itemsize) -> bytes
+    # instead of passes: (mode, M, N, itemsize, K) -> bytes
+    bytes_fn: Callable[[str, int, int, int, int], int] | None = None
     flops_fn: Callable[[str, int, int, int], float] | None = None  # compute-bound ops: (mode, M, N, K) -> flops
     tokens: tuple[int, ...] = (1, 256, 4096, 16384)
     extra: tuple[tuple[int, int], ...] = ()  # more (M, N) in the model presets (e.g. softmax over a vocabulary)
@@ -90,13 +91,13 @@ def _liger() -> dict[str, Callable[..., object]]:
 LIGER = _liger()
 
 
-def _rope_bytes(mode: str, m: int, n: int, itemsize: int) -> int:
+def _rope_bytes(mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int:
     qk = m * (n + KV_HEADS * HEAD_DIM) * itemsize  # q and k, all heads
     tables = 2 * m * HEAD_DIM * itemsize
     return {"fwd": 2 * qk + tables, "bwd": 2 * qk + tables, "fwd_bwd": 4 * qk + 2 * tables}[mode]
 
 
-def _ce_bytes(mode: str, m: int, n: int, itemsize: int) -> int:
+def _ce_bytes(mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int:
     # forward alone (no gradient wanted): read the logits; with the gradient: read them, write their gradient
     return {"fwd": 1, "bwd": 1, "fwd_bwd": 2}[mode] * m * n * itemsize
 
@@ -325,6 +326,23 @@ def _varlen_bench(name: str, mixed: bool, head_dim: int = HEAD_DIM) -> OpBench:
     )
 
 
+def _decode_shapes(preset: str) -> list[Shape]:
+    """One new token per sequence (Llama-3 8B's 32 query heads, 8 key/value heads): one sequence over caches of 1k,
+    8k and 128k, 16 over 8k and 64 over 1k (the decode preset; none for the model presets)."""
+    if preset not in ("decode", "llama3"):
+        return []
+    return [(1024, 4096, 1), (8192, 4096, 1), (131072, 4096, 1), (8192, 4096, 16), (1024, 4096, 64)]
+
+
+def _decode_bytes(mode: str, m: int, n: int, itemsize: int, k: int) -> int:
+    return 2 * k * KV_HEADS * m * HEAD_DIM * itemsize  # the K and V cache rows read (the rest is tiny)
+
+
+def _eager_decode(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """SDPA over the whole cache (every length is the cache's here), the key/value heads shared by their groups."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
 # Mixture-of-experts projections (N, K) per expert and rows M = tokens × experts per token: Mixtral-8x7B (8 experts,
 # 2 per token, H 4096, I 14336) and Qwen3-30B-A3B (128 experts, 8 per token, H 2048, I 768); gate and up fused.
 _MOE = {8: ((2 * 14336, 4096), (4096, 14336), 2), 128: ((2 * 768, 2048), (2048, 768), 8)}
@@ -537,6 +555,12 @@ OPS: dict[str, OpBench] = {
     "attention_varlen_mixed": _varlen_bench("attention_varlen_mixed", True),
     "attention_d64_varlen": _varlen_bench("attention_d64_varlen", False, SMALL_HEAD_DIM),
     "attention_d64_varlen_mixed": _varlen_bench("attention_d64_varlen_mixed", True, SMALL_HEAD_DIM),
+    "decode_attention": _bench(
+        "decode_attention",
+        eager=_eager_decode,
+        ref=references.decode_attention,
+        dim="hidden", bytes_fn=_decode_bytes, compile=False, shapes=_decode_shapes,
+    ),
 }
 for _name, _fn in LIGER.items():
     OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})
@@ -573,6 +597,8 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
         return [(4, 64, 32), (3, 33, 17)] if cpu else [(256, 4096, 4096), (4096, 4096, 4096)]
     if op.name.startswith("attention"):
         return [(16, HEAD_DIM, 1)] if cpu else [(1024, 4096, 2)]
+    if op.name == "decode_attention":  # (as many query heads as key/value heads, at least)
+        return [(40, KV_HEADS * HEAD_DIM, 2)] if cpu else [(8192, 4096, 4)]
     if op.name.startswith("grouped_matmul"):
         return [(16, 32, 24)] if cpu else [(8192, 4096, 4096)]
     if op.name.startswith("moe"):
@@ -583,11 +609,11 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
     return [(m, n, 0) for m, n in shapes]
 
 
-def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int) -> int | None:
+def bytes_moved(op: OpBench, mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int | None:
     """The fewest bytes ``mode`` must move (None for compute-bound ops): each [M, N] tensor once, plus the [N]
     parameters (read, and their gradients written)."""
     if op.bytes_fn is not None:
-        return op.bytes_fn(mode, m, n, itemsize)
+        return op.bytes_fn(mode, m, n, itemsize, k)
     if op.passes is None:
         return None
     fwd, bwd = op.passes

@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or harness.default_out(device)
 
     measured = [m for m in ("fwd", "fwd_bwd") if m in modes or "bwd" in modes]
-    total = sum(len(shapes_for(op)) * len(backends_for(op)) for op in ops) * len(measured)
+
+    def modes_of(op_name: str) -> list[str]:  # a forward-only op (no input gets a gradient) has no fwd_bwd rows
+        return measured if OPS[op_name].diff else [m for m in measured if m == "fwd"]
+
+    total = sum(len(shapes_for(op)) * len(backends_for(op)) * len(modes_of(op)) for op in ops)
     rows: list[harness.Row] = []
     compiled: dict[str, object] = {}
     i = 0
@@ -163,12 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             inputs = make_inputs(op, (m, n, k), dtype, device)
             itemsize = inputs[0].element_size()
             try:
-                ups, ref, ref_grads = _reference(op, inputs, measured)
+                ups, ref, ref_grads = _reference(op, inputs, modes_of(op_name))
             except torch.OutOfMemoryError:  # once more, with every cached block given back first
                 torch.cuda.empty_cache()
-                ups, ref, ref_grads = _reference(op, inputs, measured)
+                ups, ref, ref_grads = _reference(op, inputs, modes_of(op_name))
             by_mode: dict[str, list[harness.Row]] = {}
-            for mode in measured:
+            for mode in modes_of(op_name):
                 group = by_mode.setdefault(mode, [])
                 for backend in backends_for(op_name):
                     i += 1
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                     row.bench_s = time.perf_counter() - t0
                     harness.progress(i, total, _line(row))
-            if "bwd" in modes and on_gpu:  # a difference of times: nothing to check on a CPU
+            if "bwd" in modes and on_gpu and "fwd_bwd" in by_mode:  # a difference of times: nothing to check on a CPU
                 by_mode["bwd"] = _backward_rows(by_mode, op, copy, itemsize)
             for mode in modes:
                 if mode in by_mode:
@@ -304,7 +308,7 @@ def _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads):
 def _rates(row, op, copy, itemsize) -> None:
     from bench.ops import bytes_moved, flops
 
-    moved = bytes_moved(op, row.mode, row.m, row.n, itemsize)
+    moved = bytes_moved(op, row.mode, row.m, row.n, itemsize, row.k)
     if moved is not None:
         row.gbps = moved / row.ms / 1e6
         row.pct_copy = 100 * row.gbps / copy

@@ -6,7 +6,8 @@ the op works over (hidden size, MLP intermediate size or vocabulary; for rope, t
 fused_linear_cross_entropy, the hidden size, with Llama-3's vocabulary of 128256). For matmul, a [M, K] activation
 times a [N, K] weight, transposed (``x @ weight.t()``, as nn.Linear computes it). For attention, M is the sequence
 length S, N the width Hq·D of the queries (heads of D = 128, or 64 for the ``_d64`` variants; as many key/value
-heads as query heads) and K the batch B.
+heads as query heads) and K the batch B. For decode_attention, M is the cache length L, N the width Hq·D of the
+one new token's queries (Llama-3's 8 key/value heads of 128) and K the batch B.
 """
 
 from __future__ import annotations
@@ -137,6 +138,14 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_host: Tensor) -> Ten
     return hkernels.attention_varlen(q, k, v, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
 
 
+def _decode(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    """One new token per sequence against a full cache (decode): q [K, H, 1, D] (H = N / D), k/v caches [K, KV_HEADS,
+    M, D], the lengths [K] = M."""
+    q = torch.randn((k, n // HEAD_DIM, 1, HEAD_DIM), generator=g, device=device, dtype=dtype)
+    kv = [torch.randn((k, KV_HEADS, m, HEAD_DIM), generator=g, device=device, dtype=dtype) for _ in range(2)]
+    return [q, *kv, torch.full((k,), m, dtype=torch.int32, device=device)]
+
+
 def _grouped(experts: int) -> Make:
     """x [M, K] (M = tokens × experts per token), weight [E, N, K], balanced routing: M / E rows per expert."""
 
@@ -218,6 +227,7 @@ OPS: dict[str, OpInputs] = {
         OpInputs("attention_varlen_mixed", _packed(HEAD_DIM, True), (0, 1, 2), _varlen),
         OpInputs("attention_d64_varlen", _packed(SMALL_HEAD_DIM, False), (0, 1, 2), _varlen),
         OpInputs("attention_d64_varlen_mixed", _packed(SMALL_HEAD_DIM, True), (0, 1, 2), _varlen),
+        OpInputs("decode_attention", _decode, (), hkernels.decode_attention),  # forward only
     )
 }
 
