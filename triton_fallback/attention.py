@@ -18,12 +18,12 @@ Specific to these kernels:
   get o = 0, lse = −∞ and zero gradients from a kernel that writes only those rows.
 - Backward (FA2): (1) delta = rowsum(do·o) per query row (prescaled by ``scale``), written with lse·log2 e as one
   (lse, delta) pair per row, so that the walks below read a row's two numbers in one aligned 8-byte load wherever a
-  packed sequence starts (with a cap, as two planes: see the dk/dv walk); (2) a program per (kv block, kv head) holds its K/V tile and dk, dv accumulators in
-  registers and walks the query blocks of every query head of its group that see its keys; (3) dq by a separate kernel
-  over query blocks (7 matmuls per tile, bitwise deterministic: the default), or, as a launch option, by float32
-  atomics from the same walk into a zeroed [B, Hq, S, D] buffer (5 matmuls per tile; the summation order is not fixed,
-  so dq may differ in the last bits from run to run; smaller dk/dv tiles at D = 128). dk and dv are deterministic
-  either way.
+  packed sequence starts (with a cap, as two planes: see the dk/dv walk); (2) a program per (kv block, kv head) holds
+  its K/V tile and dk, dv accumulators in registers and walks the query blocks of every query head of its group that
+  see its keys; (3) dq by a separate kernel over query blocks (7 matmuls per tile, bitwise deterministic: the
+  default), or, as a launch option, by float32 atomics from the same walk into a zeroed [B, Hq, S, D] buffer (5
+  matmuls per tile; the summation order is not fixed, so dq may differ in the last bits from run to run; smaller dk/dv
+  tiles at D = 128). dk and dv are deterministic either way.
 - Loads go through TMA descriptors (4-D [B, H, S, D], boxes of [1, 1, rows, D], out-of-range rows read as zeros)
   when every tensor is 16-byte aligned, else through masked pointer loads. Rows past S or Skv read as zeros:
   their scores are finite, and masks or a lse of +inf keep them out of every stored result.
