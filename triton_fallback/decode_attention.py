@@ -20,8 +20,8 @@ D] contiguous in q's dtype; partials [B, Hq, Sq, NS, D] and [B, Hq, Sq, NS] floa
 Work and traffic: 4·B·Hq·Sq·L·D flops against 2·B·Hk·L·D elements of K/V, each read once (rows past L_b and, with a
 window, before it never): G·Sq flops per cache element, far below what the tensor cores could use, so the kernel
 is bound by the cache's bytes and its speed is how many programs stream it at once. NS is chosen on the host from
-B·Hk and S_max (L_b would need a host sync), for about two programs per multiprocessor: one sequence of 128k tokens
-with 8 key/value heads runs 8 × 32 programs of 4k keys. The partials, B·Hq·Sq·NS·(D + 1) floats written and read
+B·Hk and S_max (L_b would need a host sync), for about three programs per multiprocessor: one sequence of 128k
+tokens with 8 key/value heads runs 8 × 50 programs of 2.6k keys. The partials, B·Hq·Sq·NS·(D + 1) floats written and read
 once, are a few hundred kB beside hundreds of MB of cache.
 """
 
@@ -180,10 +180,10 @@ def decode_attention_settings(head_dim: int, dtype: torch.dtype) -> DecodeSettin
     the combine.
 
     sm_90 (bf16/fp16), from a sweep of steps (64, 128), stages (2-4), warps (4, 8) and programs per
-    multiprocessor (2, 4) at Hq 32, Hk 8, D 128, one new token (B × L = 64 × 8k, 16 × 8k, 1 × 128k): 128 cache
-    rows a step, 4 warps, 3 stages of K/V in flight (2 × 128 × D × 2 bytes a stage: 192 kB at D = 128), about
-    two programs per multiprocessor: 4.1-4.6 TB/s of cache read, where 64-row steps gave 3.9 at 64 × 8k. At
-    D = 256, 32 rows a step (not measured). A tile of up to 64 query rows (Llama's 4 heads per key/value head,
+    multiprocessor (2-4) at Hq 32, Hk 8, D 128, one new token, B × L from 1 × 8k to 1 × 128k and 64 × 1k
+    (bench/results/h200/README.md): 64 cache rows a step, 4 warps, 2 stages of K/V in flight (2 × 64 × D × 2
+    bytes a stage: 64 kB at D = 128, so three programs share a multiprocessor and one's start and end overlap
+    the others' streaming), about three programs per multiprocessor. At D = 256, 32 rows a step (not measured). A tile of up to 64 query rows (Llama's 4 heads per key/value head,
     16 speculative tokens). Chunks of at least 256 rows keep the partials' traffic and the combine small.
     float32 (tests only): smaller steps.
     """
@@ -193,7 +193,7 @@ def decode_attention_settings(head_dim: int, dtype: torch.dtype) -> DecodeSettin
         return DecodeSettings(block_n=32, max_rows=32, num_warps=4, num_stages=2, programs_per_sm=2, min_chunk=256)
     if head_dim >= 256:
         return DecodeSettings(block_n=32, max_rows=32, num_warps=4, num_stages=3, programs_per_sm=2, min_chunk=256)
-    return DecodeSettings(block_n=128, max_rows=64, num_warps=4, num_stages=3, programs_per_sm=2, min_chunk=256)
+    return DecodeSettings(block_n=64, max_rows=64, num_warps=4, num_stages=2, programs_per_sm=3, min_chunk=256)
 
 
 def split_plan(programs: int, s_max: int, block_n: int, min_chunk: int, per_sm: int, device: torch.device
