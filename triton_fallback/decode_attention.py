@@ -21,8 +21,8 @@ Work and traffic: 4·B·Hq·Sq·L·D flops against 2·B·Hk·L·D elements of K/
 window, before it never): G·Sq flops per cache element, far below what the tensor cores could use, so the kernel
 is bound by the cache's bytes and its speed is how many programs stream it at once. NS is chosen on the host from
 B·Hk and S_max (L_b would need a host sync), for about three programs per multiprocessor: one sequence of 128k
-tokens with 8 key/value heads runs 8 × 50 programs of 2.6k keys. The partials, B·Hq·Sq·NS·(D + 1) floats written and read
-once, are a few hundred kB beside hundreds of MB of cache.
+tokens with 8 key/value heads runs 8 × 50 programs of 2.6k keys. The partials, B·Hq·Sq·NS·(D + 1) floats written
+and read once, are a few hundred kB beside hundreds of MB of cache.
 """
 
 from __future__ import annotations
