@@ -179,14 +179,14 @@ def decode_attention_settings(head_dim: int, dtype: torch.dtype) -> DecodeSettin
     multiprocessors, so that a cache of a few dozen rows already takes several splits, a partial last step and
     the combine.
 
-    sm_90 (bf16/fp16), from a sweep of steps (64, 128), stages (2-4), warps (4, 8) and programs per
-    multiprocessor (2-4) at Hq 32, Hk 8, D 128, one new token, B × L from 1 × 8k to 1 × 128k and 64 × 1k
-    (bench/results/h200/README.md): 64 cache rows a step, 4 warps, 2 stages of K/V in flight (2 × 64 × D × 2
-    bytes a stage, 64 kB in all at D = 128, so three programs share a multiprocessor and one's start and end overlap
-    the others' streaming), about three programs per multiprocessor, chunks of at least 128 rows (two steps: one
-    sequence of 1k-8k keys is latency-bound, and shorter chains of steps over more splits win there). At D = 256,
-    32 rows a step (not measured). A tile of up to 64 query rows (Llama's 4 heads per key/value head,
-    16 speculative tokens). At D = 256 and in float32 (tests only: smaller steps) chunks of at least 256 rows.
+    sm_90 (bf16/fp16), from a sweep of steps (64, 128), stages (2-4), warps (4, 8) and programs per multiprocessor
+    (2-4) and of the smallest chunk at Hq 32, Hk 8, D 128, one new token, caches of B × L from 1 × 1k to 64 × 1k and
+    1 × 128k (bench/results/h200/README.md): 64 cache rows a step, 4 warps, 2 stages of K/V in flight (2 × 64 × D ×
+    2 bytes a stage, 64 kB in all at D = 128, so three programs share a multiprocessor and one's start and end
+    overlap the others' streaming), about three programs per multiprocessor, chunks of at least 128 rows (two steps:
+    one sequence of 1k-8k keys is latency-bound, and shorter chains of steps over more splits win there). At D =
+    256, 32 rows a step (not measured). A tile of up to 64 query rows (Llama's 4 heads per key/value head, 16
+    speculative tokens). At D = 256 and in float32 (tests only: smaller steps) chunks of at least 256 rows.
     """
     if interpreting():
         return DecodeSettings(block_n=16, max_rows=32, num_warps=4, num_stages=1, programs_per_sm=2, min_chunk=16)
