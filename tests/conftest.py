@@ -43,6 +43,15 @@ def _fresh_dispatch_state(monkeypatch: pytest.MonkeyPatch):
     dispatch.forget()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist (-n N) each worker computes on one thread: the workers already fill the cores, and torch's
+    # and OpenBLAS's own threads beside them only contend for them. Set here, in the controller, before it starts
+    # the workers: their libraries read these when they load.
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     where = torch.cuda.get_device_name() if ON_GPU else "CPU, interpret mode (HKERNELS_INTERPRET=1)"
     return [f"hkernels: {where}; backends here: {', '.join(hkernels.backends('rms_norm'))}"]
