@@ -38,6 +38,7 @@ from hkernels.functional.rms_norm import rms_norm  # noqa: E402
 from hkernels.functional.rope import rope  # noqa: E402
 from hkernels.functional.softmax import softmax  # noqa: E402
 from hkernels.functional.swiglu import swiglu  # noqa: E402
+from hkernels.hub import kernelize  # noqa: E402  (the same through transformers' kernel hooks)
 from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "geglu",
     "grouped_matmul",
+    "kernelize",
     "layer_norm",
     "matmul",
     "moe",

@@ -76,9 +76,10 @@ _RECORD = "_hkernels_patches"
 
 @dataclass
 class Replacement:
-    """One change made by :func:`patch`: ``where`` (a module path, or ``module.function``), the op, ``kind``
-    ("module", "forward", "function", "registry" or "experts": a config's experts implementation), and the objects
-    before and after."""
+    """One change made by :func:`patch` or :func:`hkernels.hub.kernelize`: ``where`` (a module path, or
+    ``module.function``), the op, ``kind`` ("module", "forward", "function", "registry", "experts": a config's
+    experts implementation, or "kernelized": a forward set by ``kernels.kernelize``, ``new`` the module it was set
+    on), and the objects before and after."""
 
     where: str
     op: str
@@ -87,6 +88,9 @@ class Replacement:
     new: Any
 
     def __repr__(self) -> str:
+        if self.kind == "kernelized":
+            repo = self.new.__dict__.get("_kernel_repo", "its own forward again")
+            return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {repo} (kernels.kernelize))"
         return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {_name(self.new)})"
 
 
@@ -107,8 +111,12 @@ HF_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama
 
 
 def _hf_rms_norm(m: nn.Module) -> float | None:
-    """eps of a known Hugging Face RMSNorm (weight over the last dim), else None."""
-    if type(m).__name__ not in HF_RMS_NORMS or not type(m).__module__.startswith("transformers."):
+    """eps of a known Hugging Face RMSNorm (weight over the last dim), else None: one of :data:`HF_RMS_NORMS`, or a
+    class transformers marks ``use_kernel_forward_from_hub("RMSNorm")``, the name its kernel mapping gives Llama's
+    computation (every class it marks so computes it)."""
+    cls = type(m)
+    if not cls.__module__.startswith("transformers.") or (
+            cls.__name__ not in HF_RMS_NORMS and getattr(cls, "kernel_layer_name", None) != "RMSNorm"):
         return None
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
@@ -197,14 +205,23 @@ def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) 
 apply_rotary_pos_emb.hkernels = apply_rotary_pos_emb_v5.hkernels = True  # type: ignore[attr-defined]
 
 
+def _parameters(fn: Any) -> list[str] | None:
+    """The parameter names of ``fn``, seen through the ``kernels`` package's wrapper: transformers 5 with
+    ``kernels`` installed turns a function marked ``use_kernel_forward_from_hub`` into a module instance whose
+    forward (``self`` first) has the function's parameters; its own call signature reads ``(*args, **kwargs)``."""
+    target = type(fn).forward if isinstance(fn, nn.Module) and hasattr(fn, "kernel_layer_name") else fn
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params[1:] if target is not fn else params
+
+
 def _rope_for(fn: Any) -> Any:
     """Our replacement with the same parameters as ``fn`` (positional calls must bind the same way), or None when
     ``fn`` is not Hugging Face's shape of it."""
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    if params[:4] != ["q", "k", "cos", "sin"]:
+    params = _parameters(fn)
+    if params is None or params[:4] != ["q", "k", "cos", "sin"]:
         return None
     if params[4:] == ["position_ids", "unsqueeze_dim"]:
         return apply_rotary_pos_emb
@@ -472,7 +489,7 @@ def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *arg
     kwargs.pop("logits_to_keep", None)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
-        return_dict = getattr(self.config, "use_return_dict", getattr(self.config, "return_dict", True))
+        return_dict = getattr(self.config, "return_dict", True)
     outputs = self.model(input_ids=input_ids, **kwargs)
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
     if shift_labels is None:
@@ -515,6 +532,11 @@ def _bind(m: nn.Module, fn: Any) -> Any:
     return forward
 
 
+def _kernelized(m: nn.Module) -> bool:
+    """``m``'s forward was put on hkernels by ``kernels.kernelize`` with :func:`hkernels.hub.mapping`."""
+    return getattr(m.__dict__.get("_kernel_repo"), "hkernels", False)
+
+
 def _hooked(m: nn.Module) -> bool:
     """Hooks registered on ``m``, or a forward replaced on the instance (accelerate's offloading does that)."""
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
@@ -526,113 +548,284 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_path) if parent_path else model), attr
 
 
-def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None) -> list[Replacement]:
-    """Replace, in place, the parts of ``model`` that hkernels has ops for (``ops``: names from :data:`OPS`, a
-    comma-separated string or a list; default :data:`DEFAULT_OPS`, all but attention). Returns what was replaced
-    in this call (empty when nothing matched); patching twice replaces nothing the second time."""
+class _Tally:
+    """What one :func:`patch` (or :func:`hkernels.hub.kernelize`) call found per op: replacements made, parts
+    already on hkernels (an earlier call), and why a part was left as it is. ``passes``: the ops still to be
+    patched here (kernelize's hooks may have done some already)."""
+
+    def __init__(self, wanted: set[str]) -> None:
+        self.wanted = wanted
+        self.passes = set(wanted)
+        self.done: list[Replacement] = []
+        self.ours: dict[str, int] = dict.fromkeys(wanted, 0)
+        self.why: dict[str, list[str]] = {op: [] for op in wanted}
+
+    def add(self, r: Replacement) -> None:
+        self.done.append(r)
+
+    def note(self, op: str, reason: str) -> None:
+        if op in self.why and reason not in self.why[op]:
+            self.why[op].append(reason)
+
+    def idle(self) -> list[str]:
+        """The wanted ops that replaced nothing and found nothing already on hkernels, in OPS order."""
+        replaced = {r.op for r in self.done}
+        return [op for op in OPS if op in self.wanted and op not in replaced and not self.ours[op]]
+
+
+# Why an op found nothing to replace, where nothing more specific was noted: what it looks for.
+_LOOKS_FOR = {
+    "rms_norm": "no torch.nn.RMSNorm, no Hugging Face RMSNorm marked use_kernel_forward_from_hub('RMSNorm') and "
+                f"none of {', '.join(HF_RMS_NORMS)}",
+    "layer_norm": "no torch.nn.LayerNorm",
+    "swiglu": "no MLP with gate_proj, up_proj and down_proj Linears and a SiLU act_fn",
+    "geglu": "no MLP with gate_proj, up_proj and down_proj Linears and a tanh-approximated GELU act_fn",
+    "rope": "no module of the model's classes defines apply_rotary_pos_emb",
+    "cross_entropy": "no torch.nn.CrossEntropyLoss module without class weights",
+    "fused_linear_cross_entropy": "no causal LM with an lm_head Linear that hkernels knows "
+                                  f"({', '.join(HF_CAUSAL_LMS)}, or a module with hkernels_loss_inputs)",
+    "moe": "no experts module on transformers' experts interface or marked hkernels_experts = 'swiglu'",
+    "attention": "no transformers attention module and no causal_attention marked hkernels_attention = 'causal'",
+}
+
+
+def _ops_arg(ops: str | list[str] | tuple[str, ...] | None) -> tuple[set[str], bool]:
+    """(the ops wanted, whether the caller named them one by one) from patch's ``ops``."""
+    if ops is None or ops == "all":
+        return set(DEFAULT_OPS if ops is None else OPS), False
     if isinstance(ops, str):
         ops = [o.strip() for o in ops.split(",") if o.strip()]
-    wanted = set(DEFAULT_OPS if ops is None else ops)
+    if not isinstance(ops, (list, tuple, set, frozenset)) or not all(isinstance(o, str) for o in ops):
+        raise TypeError(f"hkernels.patch: ops must be None, 'all', a comma-separated string or a list of op names, "
+                        f"got {ops!r}")
+    wanted = set(ops)
+    if "all" in wanted:
+        raise ValueError("hkernels.patch: 'all' stands alone (ops='all'), not inside a list of ops")
     unknown = wanted - set(OPS)
     if unknown:
-        raise ValueError(f"hkernels.patch: unknown op(s) {sorted(unknown)}; valid: {', '.join(OPS)}")
+        raise ValueError(f"hkernels.patch: unknown op(s) {sorted(unknown)}; valid: {', '.join(OPS)}, or 'all'")
+    if not wanted:
+        raise ValueError("hkernels.patch: ops names no op; leave it None for the default set, or pass 'all'")
+    return wanted, True
+
+
+def patch(model: nn.Module, ops: str | list[str] | tuple[str, ...] | None = None, *,
+          strict: bool = True) -> list[Replacement]:
+    """Replace, in place, the parts of ``model`` that hkernels has ops for. ``ops``: names from :data:`OPS` (a list
+    or a comma-separated string), ``"all"`` (every op, attention included), or None (:data:`DEFAULT_OPS`: all but
+    attention). Returns what was replaced in this call; a part already on hkernels (patched before) is left as it is.
+
+    Never silently does nothing: an op named in ``ops`` that replaces nothing and finds nothing already on hkernels
+    raises ``ValueError`` naming the op and why, and the call replaces nothing (with ``strict=False``: a
+    ``RuntimeWarning``, and the other ops are patched); with ``ops`` None or ``"all"``, so does a call in which no
+    op applies at all."""
+    wanted, named = _ops_arg(ops)
+    tally = _Tally(wanted)
+    run(model, tally, "hkernels.patch")
+    verdict(model, tally, named, strict, "hkernels.patch")
+    return tally.done
+
+
+def run(model: nn.Module, tally: _Tally, who: str) -> None:
+    """Patch ``model`` for the ops in ``tally.passes``, recording the replacements on the model."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"hkernels.patch: model must be a torch.nn.Module, got {type(model).__name__}")
-    done: list[Replacement] = []
-    builders = [("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm), ("cross_entropy", _new_loss),
-                ("moe", _new_experts)]
+        raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    start = len(tally.done)
+    _patch_modules(model, tally)
+    _patch_forwards(model, tally)
+    if "moe" in tally.passes:
+        _patch_experts(model, tally)
+    if "rope" in tally.passes:
+        _patch_rope(model, tally)
+    if "attention" in tally.passes:
+        _patch_attention(model, tally)
+    model.__dict__.setdefault(_RECORD, []).extend(tally.done[start:])
+
+
+def verdict(model: nn.Module, tally: _Tally, named: bool, strict: bool, who: str) -> None:
+    """Raise (``strict``; undoing the call's replacements) or warn where the call did nothing it was asked for:
+    an op named one by one (``named``) that replaced nothing, or, asked for the default set, no op at all."""
+    idle = tally.idle()
+    if not idle or not (named or len(idle) == len(tally.wanted)):
+        return
+    lines = "; ".join(f"{op}: {'; '.join(tally.why[op]) or _LOOKS_FOR[op]}" for op in idle)
+    what = f"{', '.join(idle)} replaced nothing" if named else "no op applies"
+    message = f"{who}: {what} in {type(model).__name__} ({lines})"
+    if strict:
+        _rollback(model, tally.done)
+        raise ValueError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _rollback(model: nn.Module, done: list[Replacement]) -> None:
+    """Undo ``done`` (the replacements of one call, newest last) and drop them from the model's record: a call
+    that raises leaves the model as it was."""
+    record: list[Replacement] = model.__dict__.get(_RECORD, [])
+    ids = {id(r) for r in done}
+    model.__dict__[_RECORD] = [r for r in record if id(r) not in ids]
+    _undo(model, list(reversed(done)))
+
+
+def _patch_modules(model: nn.Module, tally: _Tally) -> None:
+    """Norm, loss and experts modules -> hkernels' modules holding the same Parameters."""
+    wanted = tally.passes
+    builders = [(op, build) for op, build in (("rms_norm", _new_rms_norm), ("layer_norm", _new_layer_norm),
+                                              ("cross_entropy", _new_loss), ("moe", _new_experts)) if op in wanted]
+    ours = {"rms_norm": hnn.RMSNorm, "layer_norm": hnn.LayerNorm, "cross_entropy": hnn.CrossEntropyLoss,
+            "moe": hnn.MoEExperts}
     hooked = []
     for path, m in list(model.named_modules()):
-        if not path:
-            continue
         for op, build in builders:
-            if op in wanted:
-                new = build(m)
-                if new is not None:
-                    if _hooked(m):  # its hooks would not run on a new module: leave it, and say so
-                        hooked.append(path)
-                        break
-                    parent, attr = _parent(model, path)
-                    setattr(parent, attr, new)
-                    done.append(Replacement(path, op, "module", m, new))
+            if isinstance(m, ours[op]) or (op == "rms_norm" and _kernelized(m)):
+                tally.ours[op] += 1
+                break
+            if not path:
+                continue
+            new = build(m)
+            if new is not None:
+                if _hooked(m):  # its hooks would not run on a new module: leave it, and say so
+                    hooked.append(path)
+                    tally.note(op, f"{path} has hooks or a replaced forward")
                     break
+                parent, attr = _parent(model, path)
+                setattr(parent, attr, new)
+                tally.add(Replacement(path, op, "module", m, new))
+                break
+            if op == "rms_norm" and type(m).__name__.endswith("RMSNorm"):
+                tally.note(op, f"{type(m).__name__} is not known to compute x / rms(x) * weight (it may scale by "
+                               "1 + weight)")
     if hooked:
         warnings.warn(f"hkernels.patch: left {len(hooked)} module(s) with hooks or a replaced forward as they are "
-                      f"(e.g. {hooked[0]}): a new module would not run their hooks", RuntimeWarning, stacklevel=2)
+                      f"(e.g. {hooked[0]}): a new module would not run their hooks", RuntimeWarning, stacklevel=3)
+
+
+def _patch_forwards(model: nn.Module, tally: _Tally) -> None:
+    """Llama-style MLPs and causal LMs' losses: their forward replaced on the instance."""
+    wanted = tally.passes
     for path, m in model.named_modules():
+        own = m.__dict__.get("forward")
         gate = _mlp_gate(m)
-        if gate is not None and gate in wanted and "forward" not in m.__dict__:
-            m.forward = _bind(m, _swiglu_forward if gate == "swiglu" else _geglu_forward)
-            done.append(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
-        loss_forward = _loss_forward(m) if "fused_linear_cross_entropy" in wanted else None
-        if loss_forward is not None:
-            m.forward = _bind(m, loss_forward)
-            done.append(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
-                                    m.forward))
-    if "moe" in wanted:
-        configs = _hf_experts_configs(model)
-        if configs:
-            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        if gate is not None and gate in wanted:
+            if own is None:
+                m.forward = _bind(m, _swiglu_forward if gate == "swiglu" else _geglu_forward)
+                tally.add(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
+            elif getattr(own, "__qualname__", None) in (_swiglu_forward.__qualname__, _geglu_forward.__qualname__):
+                tally.ours[gate] += 1
+            else:
+                tally.note(gate, f"{path or '<model>'} has its forward replaced on the instance")
+        if "fused_linear_cross_entropy" in wanted:
+            if getattr(own, "__qualname__", None) in (_causal_lm_forward.__qualname__,
+                                                      _hf_causal_lm_forward.__qualname__):
+                tally.ours["fused_linear_cross_entropy"] += 1
+                continue
+            loss_forward = _loss_forward(m)
+            if loss_forward is not None:
+                m.forward = _bind(m, loss_forward)
+                tally.add(Replacement(path or "<model>", "fused_linear_cross_entropy", "forward", type(m).forward,
+                                      m.forward))
 
-            ALL_EXPERTS_FUNCTIONS.register(_EXPERTS, hf_experts_forward)
-            for path, config, modules in configs:
-                old = config._experts_implementation_internal
-                # Only where hkernels.moe computes every experts module of the config exactly (not biases,
-                # transposed weights, other activations...): the others keep the implementation they have.
-                if old != _EXPERTS and all(_hf_experts_ok(m) for m in modules):
-                    for m in modules:
-                        m.__dict__[_BEFORE] = old
-                    config._experts_implementation_internal = _EXPERTS
-                    done.append(Replacement(path, "moe", "experts", old, _EXPERTS))
-    if "rope" in wanted:
-        for mod_name in sorted({type(m).__module__ for m in model.modules()}):
-            mod = sys.modules.get(mod_name)
-            fn = getattr(mod, "apply_rotary_pos_emb", None)
-            known = mod_name in HF_ROPE_MODULES or getattr(fn, "hkernels_rope", None) == "rotate_half"
-            ours = _rope_for(fn) if known and callable(fn) and not getattr(fn, "hkernels", False) else None
-            if ours is not None:
-                mod.apply_rotary_pos_emb = ours
-                done.append(Replacement(f"{mod_name}.apply_rotary_pos_emb", "rope", "function", fn, ours))
-    if "attention" in wanted:
-        for mod_name in sorted({type(m).__module__ for m in model.modules()}):
-            mod = sys.modules.get(mod_name)
-            fn = getattr(mod, "causal_attention", None)
-            if callable(fn) and getattr(fn, "hkernels_attention", None) == "causal":
-                mod.causal_attention = causal_attention
-                done.append(Replacement(f"{mod_name}.causal_attention", "attention", "function", fn,
-                                        causal_attention))
-        if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-            sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-            if sdpa is not None and not getattr(sdpa, "hkernels", False):
-                ours = _hf_sdpa(sdpa)
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = ours
-                done.append(Replacement("transformers:ALL_ATTENTION_FUNCTIONS[sdpa]", "attention", "registry",
-                                        sdpa, ours))
-            for mod_name in sorted({type(m).__module__ for m in model.modules()} & set(HF_EAGER_ATTENTION_MODULES)):
-                mod = sys.modules.get(mod_name)
-                fn = getattr(mod, "eager_attention_forward", None)
-                if callable(fn) and not getattr(fn, "hkernels", False):
-                    ours = _hf_eager(fn)
-                    mod.eager_attention_forward = ours
-                    done.append(Replacement(f"{mod_name}.eager_attention_forward", "attention", "function", fn,
-                                            ours))
-    model.__dict__.setdefault(_RECORD, []).extend(done)
-    return done
+def _patch_experts(model: nn.Module, tally: _Tally) -> None:
+    """Experts built on transformers' experts interface: their config selects the "hkernels" implementation."""
+    configs = _hf_experts_configs(model)
+    if not configs:
+        return
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(_EXPERTS, hf_experts_forward)
+    for path, config, modules in configs:
+        old = config._experts_implementation_internal
+        if old == _EXPERTS:
+            tally.ours["moe"] += 1
+        # Only where hkernels.moe computes every experts module of the config exactly (not biases,
+        # transposed weights, other activations...): the others keep the implementation they have.
+        elif all(_hf_experts_ok(m) for m in modules):
+            for m in modules:
+                m.__dict__[_BEFORE] = old
+            config._experts_implementation_internal = _EXPERTS
+            tally.add(Replacement(path, "moe", "experts", old, _EXPERTS))
+        else:
+            tally.note("moe", f"the experts of {path} are not what hkernels.moe computes (biases, transposed or "
+                              "interleaved weights, a post-expert norm, expert parallelism or another activation)")
+
+
+def _patch_rope(model: nn.Module, tally: _Tally) -> None:
+    """The module-level apply_rotary_pos_emb of the modules that define the model's classes."""
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(mod_name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None:
+            continue
+        where = f"{mod_name}.apply_rotary_pos_emb"
+        if getattr(fn, "hkernels", False):
+            tally.ours["rope"] += 1
+            continue
+        known = mod_name in HF_ROPE_MODULES or getattr(fn, "hkernels_rope", None) == "rotate_half"
+        if not known:
+            tally.note("rope", f"{where} is not known to be the full rotate_half rotation (hkernels knows "
+                               "transformers' Llama, Mistral, Qwen2 and Qwen3; mark others hkernels_rope = "
+                               "'rotate_half')")
+            continue
+        ours = _rope_for(fn) if callable(fn) else None
+        if ours is None:
+            tally.note("rope", f"{where} has a signature hkernels does not know: {_parameters(fn)}")
+            continue
+        mod.apply_rotary_pos_emb = ours
+        tally.add(Replacement(where, "rope", "function", fn, ours))
+
+
+def _patch_attention(model: nn.Module, tally: _Tally) -> None:
+    """Marked causal_attention functions; transformers' sdpa function and its modules' eager attention."""
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(mod_name)
+        fn = getattr(mod, "causal_attention", None)
+        if callable(fn) and getattr(fn, "hkernels_attention", None) == "causal":
+            mod.causal_attention = causal_attention
+            tally.add(Replacement(f"{mod_name}.causal_attention", "attention", "function", fn, causal_attention))
+        elif fn is causal_attention:
+            tally.ours["attention"] += 1
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if sdpa is not None and getattr(sdpa, "hkernels", False):
+        tally.ours["attention"] += 1
+    elif sdpa is not None:
+        ours = _hf_sdpa(sdpa)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = ours
+        tally.add(Replacement("transformers:ALL_ATTENTION_FUNCTIONS[sdpa]", "attention", "registry", sdpa, ours))
+    for mod_name in sorted({type(m).__module__ for m in model.modules()} & set(HF_EAGER_ATTENTION_MODULES)):
+        mod = sys.modules.get(mod_name)
+        fn = getattr(mod, "eager_attention_forward", None)
+        if callable(fn) and getattr(fn, "hkernels", False):
+            tally.ours["attention"] += 1
+        elif callable(fn):
+            ours = _hf_eager(fn)
+            mod.eager_attention_forward = ours
+            tally.add(Replacement(f"{mod_name}.eager_attention_forward", "attention", "function", fn, ours))
 
 
 def unpatch(model: nn.Module) -> list[Replacement]:
-    """Undo every :func:`patch` of ``model``, newest first; returns what was restored. A function replaced in a
-    module (rope) is restored for every model that uses that module."""
+    """Undo every :func:`patch` (and :func:`hkernels.hub.kernelize`) of ``model``, newest first; returns what was
+    restored. A function replaced in a module (rope) is restored for every model that uses that module."""
     done: list[Replacement] = model.__dict__.pop(_RECORD, [])
-    for r in reversed(done):
+    _undo(model, list(reversed(done)))
+    return list(reversed(done))
+
+
+def _undo(model: nn.Module, newest_first: list[Replacement]) -> None:
+    for r in newest_first:
         if r.kind == "module":
             parent, attr = _parent(model, r.where)
             setattr(parent, attr, r.old)
         elif r.kind == "forward":
             target = model if r.where == "<model>" else model.get_submodule(r.where)
             target.__dict__.pop("forward", None)
+        elif r.kind == "kernelized":
+            # r.new: the module (a layer, or a function's per-model wrapper) whose forward kernels replaced
+            r.new.__dict__.pop("forward", None)
+            r.new.__dict__.pop("_kernel_repo", None)
         elif r.kind == "experts":
             config = model.get_submodule(r.where).config
             config._experts_implementation_internal = r.old
@@ -646,4 +839,3 @@ def unpatch(model: nn.Module) -> list[Replacement]:
         else:
             mod_name, _, fn_name = r.where.rpartition(".")
             setattr(sys.modules[mod_name], fn_name, r.old)
-    return list(reversed(done))

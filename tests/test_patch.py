@@ -161,8 +161,9 @@ def test_attention_is_opt_in_and_matches(device):
     plain = copy.deepcopy(model)
     want = plain(ids, labels=ids).loss
     want.backward()
-    done = hkernels.patch(model, ops=[*DEFAULT_OPS, "attention"])
+    done = hkernels.patch(model, ops="all")  # every op that applies, attention included
     try:
+        assert {r.op for r in done} == {"rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "attention"}
         assert [r.where for r in done if r.op == "attention"] == ["bench.model.causal_attention"]
         assert bench_model.causal_attention is not original
         with hkernels.use_backend("triton"):
@@ -208,6 +209,30 @@ def test_patch_picks_ops_and_rejects_unknown_ones(device):
     with pytest.raises(TypeError, match=r"hkernels\.patch: model must be a torch\.nn\.Module"):
         hkernels.patch(object())
     assert set(OPS) >= {"rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy"}
+
+
+def test_patch_never_silently_does_nothing(device):
+    """An op named that replaces nothing raises, naming it and what it looks for, and the call replaces nothing
+    at all (the model is as it was); strict=False warns and patches the rest; a second patch of the same ops finds
+    them on hkernels and says nothing; bad ops arguments raise."""
+    model, _ = _tiny(device)
+    norm = model.model.norm
+    with pytest.raises(ValueError, match=r"hkernels\.patch: layer_norm, geglu replaced nothing in \w+ \(layer_norm: "
+                                         r"no torch\.nn\.LayerNorm; geglu: no MLP .*tanh-approximated GELU"):
+        hkernels.patch(model, ops=["rms_norm", "geglu", "layer_norm"])
+    assert model.model.norm is norm and "forward" not in model.model.layers[0].mlp.__dict__
+    assert unpatch(model) == []  # nothing recorded
+    with pytest.warns(RuntimeWarning, match=r"layer_norm replaced nothing"):
+        done = hkernels.patch(model, ops="rms_norm,layer_norm", strict=False)
+    try:
+        assert {r.op for r in done} == {"rms_norm"} and isinstance(model.model.norm, hnn.RMSNorm)
+        assert hkernels.patch(model, ops="rms_norm") == []  # already on hkernels: nothing to say
+    finally:
+        unpatch(model)
+    assert model.model.norm is norm
+    for bad, match in ((["rms_norm", "all"], "'all' stands alone"), ([], "names no op"), (3, "ops must be")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            hkernels.patch(model, ops=bad)
 
 
 def test_patch_layer_norm_gelu_mlp_and_cross_entropy_modules(device):
@@ -256,8 +281,14 @@ class _OwnRope(nn.Module):
 
 def test_unmarked_rope_functions_are_left_alone():
     """Only known modules' (and marked) apply_rotary_pos_emb are replaced: a look-alike may rotate interleaved
-    pairs or part of the head, where rotate_half would be silently wrong."""
-    assert [r for r in hkernels.patch(_OwnRope(), ops="rope")] == []
+    pairs or part of the head, where rotate_half would be silently wrong. Asked for by name, that is an error
+    saying why; with strict=False a warning."""
+    with pytest.raises(ValueError, match=r"hkernels\.patch: rope replaced nothing in _OwnRope \(rope: "
+                                         r"tests\.test_patch\.apply_rotary_pos_emb is not known to be the full "
+                                         r"rotate_half rotation"):
+        hkernels.patch(_OwnRope(), ops="rope")
+    with pytest.warns(RuntimeWarning, match=r"rope replaced nothing"):
+        assert hkernels.patch(_OwnRope(), ops="rope", strict=False) == []
     assert apply_rotary_pos_emb(1, 2, 3, 4) == (1, 2)
 
 
@@ -281,7 +312,10 @@ def test_gemma_style_rms_norm_is_left_alone(device):
             self.weight, self.eps = nn.Parameter(torch.zeros(8)), 1e-6
 
     net = nn.Sequential(GemmaRMSNorm())
-    assert hkernels.patch(net) == []
+    with pytest.raises(ValueError, match=r"hkernels\.patch: no op applies in Sequential \(rms_norm: GemmaRMSNorm "
+                                         r"is not known to compute x / rms\(x\) \* weight"):
+        hkernels.patch(net)
+    assert type(net[0]) is GemmaRMSNorm
 
 
 def test_bench_moe_model_experts_become_moe_experts_and_match(device):

@@ -16,14 +16,14 @@ from hkernels.patch import unpatch
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def _tiny(family: str, device: torch.device):
     cfg_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-               "qwen2": transformers.Qwen2Config}[family]
+               "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[family]
+                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
     cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
@@ -42,7 +42,8 @@ def test_hf_patch_replaces_norms_mlps_rope_and_loss(family, device):
     try:
         ops = sorted({r.op for r in done})
         assert ops == ["fused_linear_cross_entropy", "rms_norm", "rope", "swiglu"], ops
-        assert sum(r.op == "rms_norm" for r in done) == 2 * 2 + 1
+        per_layer = 4 if family == "qwen3" else 2  # Qwen3's q_norm and k_norm too
+        assert sum(r.op == "rms_norm" for r in done) == per_layer * 2 + 1
         assert isinstance(model.model.norm, hnn.RMSNorm)
         assert module.apply_rotary_pos_emb is not original_rope
     finally:
@@ -133,7 +134,9 @@ def test_hf_look_alike_norms_that_scale_by_one_plus_weight_are_left_alone(device
     if not found:
         pytest.skip("none of the look-alike classes in this transformers")
     net = torch.nn.Sequential(*found)
-    assert hkernels.patch(net, ops="rms_norm") == []
+    with pytest.raises(ValueError, match=r"rms_norm replaced nothing.*is not known to compute x / rms\(x\) \* weight"):
+        hkernels.patch(net, ops="rms_norm")
+    assert not any(isinstance(m, hnn.RMSNorm) for m in net.modules())
 
 
 def test_hf_attention_patch_runs_plain_causal_calls_and_restores(monkeypatch, device):
@@ -425,10 +428,138 @@ def test_hf_moe_patch_leaves_experts_it_cannot_compute(device):
     before = model.config._experts_implementation
     for m in _experts(model):
         m.has_bias = True
-    assert hkernels.patch(model, ops=["moe"]) == [] and model.config._experts_implementation == before
+    with pytest.raises(ValueError, match=r"moe replaced nothing.*are not what hkernels\.moe computes \(biases"):
+        hkernels.patch(model, ops=["moe"])
+    assert model.config._experts_implementation == before
     for m in _experts(model):
         m.has_bias = False
     done = hkernels.patch(model, ops=["moe"])
     assert len(done) == 1 and all(m.__dict__[_BEFORE] == before for m in _experts(model))
     unpatch(model)
     assert model.config._experts_implementation == before and not any(_BEFORE in m.__dict__ for m in _experts(model))
+
+
+def _marked() -> bool:
+    """transformers marks its layers for the kernels package, and the installed kernels is the one it takes."""
+    from transformers.models.llama import modeling_llama
+
+    return getattr(modeling_llama.LlamaRMSNorm, "kernel_layer_name", None) == "RMSNorm"
+
+
+def _hub():
+    pytest.importorskip("kernels")
+    if not _marked():
+        pytest.skip("this transformers marks no layer for the kernels package (transformers 5 with kernels does)")
+    from hkernels import hub
+
+    return hub
+
+
+def _spy_hub(monkeypatch) -> list[str]:
+    """Records each call hkernels' kernelized layers make: "rms_norm" or "rope"."""
+    import sys
+
+    from hkernels import hub
+
+    calls: list[str] = []
+    real_norm, patch_module = hub.rms_norm, sys.modules["hkernels.patch"]
+    real_rotate = patch_module._rotate
+    monkeypatch.setattr(hub, "rms_norm", lambda *a: calls.append("rms_norm") or real_norm(*a))
+    monkeypatch.setattr(patch_module, "_rotate", lambda *a: calls.append("rope") or real_rotate(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_kernelize_runs_marked_layers_on_hkernels(family, device, monkeypatch):
+    """hkernels.hub.kernelize on a transformers-5 model: kernels.kernelize with hkernels' mapping puts every marked
+    RMSNorm and each attention module's copy of apply_rotary_pos_emb on hkernels (the modules keep their class and
+    state_dict; the module's function is left as it is), hkernels.patch the MLP and the loss; the loss and every
+    gradient match the unpatched model; unpatch gives every forward back."""
+    hub = _hub()
+    from kernels import Mode
+
+    model, ids = _tiny(family, device)
+    module = importlib.import_module(type(model).__module__)
+    rope_fn, norm_cls = module.apply_rotary_pos_emb, type(model.model.norm)
+    plain = copy.deepcopy(model)
+    labels = ids.clone()
+    labels[1, 2] = -100
+    want = plain(input_ids=ids, labels=labels).loss
+    want.backward()
+    calls = _spy_hub(monkeypatch)
+    done = hub.kernelize(model, Mode.TRAINING)
+    try:
+        kinds = {(r.op, r.kind) for r in done}
+        assert kinds == {("rms_norm", "kernelized"), ("rope", "kernelized"), ("swiglu", "forward"),
+                         ("fused_linear_cross_entropy", "forward")}, kinds
+        layers = model.config.num_hidden_layers
+        norms = (4 if family == "qwen3" else 2) * layers + 1
+        assert sum(r.op == "rms_norm" for r in done) == norms and sum(r.op == "rope" for r in done) == layers
+        assert type(model.model.norm) is norm_cls and module.apply_rotary_pos_emb is rope_fn
+        assert model.state_dict().keys() == plain.state_dict().keys()
+        assert hub.kernelize(model, Mode.TRAINING) == []  # already on hkernels
+        with hkernels.use_backend("triton"):
+            out = model(input_ids=ids, labels=labels)
+            out.loss.backward()
+        assert calls.count("rms_norm") == norms and calls.count("rope") == layers
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any("forward" in f.__dict__ for m in model.modules() for f in getattr(m, "_kernel_funcs", {}).values())
+
+
+def test_hf_kernel_mapping_is_what_kernels_kernelize_takes(device, monkeypatch):
+    """The mapping alone, as a kernels user would use it: kernels.kernelize inside use_kernel_mapping puts the
+    marked norms and rope of a Llama on hkernels, in every mode, with no network; the result matches."""
+    hub = _hub()
+    import kernels
+
+    model, ids = _tiny("llama", device)
+    plain = copy.deepcopy(model)
+    calls = _spy_hub(monkeypatch)
+    for mode in (kernels.Mode.INFERENCE, kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE):
+        with kernels.use_kernel_mapping(hub.mapping()):
+            kernels.kernelize(model, mode=mode, device=device.type)
+        with torch.no_grad(), hkernels.use_backend("torch"):
+            torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4,
+                                       atol=1e-5)
+    assert calls.count("rms_norm") == 2 * 5 and calls.count("rope") == 2 * 2
+    assert set(hub.mapping("rms_norm")) == {"RMSNorm"}
+    with pytest.raises(ValueError, match=r"hkernels\.hub\.mapping: no marked layer for op\(s\) \['swiglu'\]"):
+        hub.mapping(["swiglu"])
+
+
+def test_hf_kernelize_raises_for_an_op_it_cannot_place(device):
+    """kernelize, like patch, never silently does nothing: geglu asked for on a SiLU model raises and leaves the
+    model as it was."""
+    hub = _hub()
+    model, _ = _tiny("llama", device)
+    with pytest.raises(ValueError, match=r"hkernels\.hub\.kernelize: geglu replaced nothing"):
+        hub.kernelize(model, ops=["rms_norm", "geglu"])
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_hf_kernelized_model_trains_under_torch_compile(device):
+    """A model kernelized for torch.compile (Mode.TRAINING | Mode.TORCH_COMPILE) compiles with hkernels' layers in
+    the graph; the compiled loss and gradients match the unpatched eager model."""
+    hub = _hub()
+    from kernels import Mode
+
+    model, ids = _tiny("llama", device)
+    plain = copy.deepcopy(model)
+    want = plain(input_ids=ids, labels=ids).loss
+    want.backward()
+    hkernels.kernelize(model, Mode.TRAINING | Mode.TORCH_COMPILE)
+    try:
+        with hkernels.use_backend("triton"):
+            loss = torch.compile(model)(input_ids=ids, labels=ids).loss
+            loss.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+        _same_grads(model, plain)
+    finally:
+        unpatch(model)
+    assert hub.kernelize is hkernels.kernelize
