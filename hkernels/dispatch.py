@@ -134,6 +134,18 @@ def _env_text() -> bytes | str | None:
     return os.environ.get(_ENV)  # pragma: no cover
 
 
+def env_key(name: str) -> Any:
+    """The key :func:`env_value` reads ``name`` by."""
+    return os.environ.encodekey(name) if _environ_data is not None else name  # type: ignore[attr-defined]
+
+
+def env_value(key: Any) -> bytes | str | None:
+    """The environment's value now of the variable of ``key`` (from :func:`env_key`): one dict lookup."""
+    if _environ_data is not None:
+        return _environ_data.get(key)
+    return os.environ.get(key)  # pragma: no cover
+
+
 @functools.lru_cache(maxsize=64)
 def _parse_env(text: str) -> _Layer:
     default: str | None = None

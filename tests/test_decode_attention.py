@@ -88,10 +88,15 @@ def test_the_split_plan_fills_the_gpu(monkeypatch):
     assert chunk >= 256 and ns * chunk >= 1000 and ns <= 4
 
 
-def test_result_needs_no_gradient(device):
+def test_a_gradient_wanted_raises(device):
+    """Forward only: inputs that require grad (grad mode on) raise naming the op, instead of a result without a
+    graph; under no_grad the same call runs and its result needs no gradient."""
     q, k, v, lengths = _inputs(device, torch.float32, b=1)
-    out = hkernels.decode_attention(q.requires_grad_(), k, v, lengths)
-    assert not out.requires_grad
+    q.requires_grad_()
+    with pytest.raises(ValueError, match=r"^hkernels\.decode_attention: it is forward only"):
+        hkernels.decode_attention(q, k, v, lengths)
+    with torch.no_grad():
+        assert not hkernels.decode_attention(q, k, v, lengths).requires_grad
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -85,17 +85,30 @@ _MAX_PLANS = 4096  # per op: a caller whose shapes never repeat starts over past
 _publics: list[Public] = []
 
 
-class Public:
-    """The call path of one public op: ``check(*args)`` raises on bad arguments; ``body(request, *args)`` computes
-    the op (calling its custom ops through :func:`call`); ``fast(plan, request, *args)``, optional, returns a
-    function that does what the recorded ``plan`` does for calls of this signature in one step (a row op whose
-    kernel function was bound: its forward, through a :class:`Lane` when a gradient is wanted), or None."""
+_OFF = frozenset({None, "", "0", "false", "no", "off", b"", b"0", b"false", b"no", b"off"})
+_CHECK_KEY = dispatch.env_key("HKERNELS_CHECK")
 
-    __slots__ = ("body", "check", "fast", "op", "plans")
+
+def checking() -> bool:
+    """``HKERNELS_CHECK`` asks for checking mode now (set, and not 0/false/no/off): every value the kernels take on
+    trust is checked on every eager call, at the cost of a host sync."""
+    return dispatch.env_value(_CHECK_KEY) not in _OFF
+
+
+class Public:
+    """The call path of one public op: ``check(*args)`` raises on bad arguments (a property of the call's
+    signature: checked once per signature); ``values(*args)``, optional, raises on values the kernels take on trust
+    (indices, lengths, positions), on every eager call in checking mode only (:func:`checking`: it syncs with the
+    device); ``body(request, *args)`` computes the op (calling its custom ops through :func:`call`);
+    ``fast(plan, request, *args)``, optional, returns a function that does what the recorded ``plan`` does for
+    calls of this signature in one step (a row op whose kernel function was bound: its forward, through a
+    :class:`Lane` when a gradient is wanted), or None."""
+
+    __slots__ = ("body", "check", "fast", "op", "plans", "values")
 
     def __init__(self, op: str, check: Callable[..., None], body: Callable[..., Any],
-                 fast: Callable[..., Any] | None = None) -> None:
-        self.op, self.check, self.body, self.fast = op, check, body, fast
+                 fast: Callable[..., Any] | None = None, values: Callable[..., None] | None = None) -> None:
+        self.op, self.check, self.body, self.fast, self.values = op, check, body, fast, values
         self.plans: dict[Any, _plan.Plan] = {}
         _publics.append(self)
 
@@ -103,6 +116,9 @@ class Public:
         if torch.compiler.is_compiling():
             self.check(*args)
             return self.body("", *args)  # the custom ops read the request when the compiled code runs
+        if self.values is not None and dispatch.env_value(_CHECK_KEY) not in _OFF:
+            self.check(*args)  # (the values' checks take well-formed arguments)
+            self.values(*args)
         request = dispatch.requested(self.op)
         try:
             if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
@@ -444,3 +460,18 @@ def check_same(op: str, names: tuple[str, ...], *ts: Tensor, shape: bool = True)
                             f"{t.dtype}")
         if t.device != first.device:
             raise ValueError(f"hkernels.{op}: {name} is on {t.device} but {names[0]} is on {first.device}")
+
+
+def check_range(op: str, name: str, t: Tensor, low: int, high: int, ignore: int | None = None,
+                why: str = "") -> None:
+    """Checking mode: every value of the integer tensor ``t`` lies in [low, high) (``ignore`` excepted); else a
+    ValueError naming the first value outside (one host sync)."""
+    bad = (t < low) | (t >= high)
+    if ignore is not None:
+        bad &= t != ignore
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        index = ", ".join(map(str, at))
+        except_ = f" and is not ignore_index ({ignore})" if ignore is not None else ""
+        raise ValueError(f"hkernels.{op}: {name}[{index}] = {int(t[tuple(at)])} is outside [{low}, {high})"
+                         f"{except_}{why}")

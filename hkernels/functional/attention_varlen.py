@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call
+from hkernels.functional._base import Public, Tensor, autograd, call, check_range
 from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
 from hkernels.functional.attention import attention_bwd as _dense_bwd
 from hkernels.functional.attention import attention_fwd as _dense_fwd
@@ -35,7 +35,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     sequences of length 0 and 1 are fine; rows past the last sequence get zeros. max_seqlen_q / max_seqlen_k: the
     longest sequence, which sizes the launch; given, the call never waits on the device; left out, it is read from
     cu_seqlens once per call (a host sync; under torch.compile the row count stands in for it). A larger value is
-    fine (idle programs), a smaller one drops rows. causal, window and softcap as in :func:`hkernels.attention`,
+    fine (idle programs), a smaller one drops rows (``HKERNELS_CHECK=1`` raises on it, and on cu_seqlens that do
+    not start at 0, decrease or end past the rows). causal, window and softcap as in :func:`hkernels.attention`,
     with the mask aligned at each sequence's end (query i of a sequence with Sq queries and Sk keys sits at key
     position i + Sk − Sq, FlashAttention's convention); a query that sees no key gets zeros. Returns [Tq, Hq, D] in
     q's dtype; differentiable in q, k, v.
@@ -70,6 +71,28 @@ def _check(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
         raise TypeError(f"hkernels.attention_varlen: scale must be a float or None, got {type(scale).__name__}")
     window_bounds(OP, window, bool(causal))
     softcap_value(OP, softcap)
+
+
+def _values(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor | None, max_q: int | None,
+            max_k: int | None, causal: bool, scale: float | None, window: Any, softcap: Any) -> None:
+    for name, cu, rows, given in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
+                                  ("cu_seqlens_k", cu_q if cu_k is None else cu_k, k.shape[0],
+                                   max_q if cu_k is None and max_k is None else max_k)):
+        first = int(cu[0])
+        if first != 0:
+            raise ValueError(f"hkernels.attention_varlen: {name} must start at 0, got {name}[0] = {first}")
+        lengths = cu[1:] - cu[:-1]
+        check_range(OP, f"{name}'s lengths ({name}[i + 1] - {name}[i])", lengths, 0, rows + 1,
+                    why=": it must not decrease")
+        last = int(cu[-1])
+        if last > rows:
+            raise ValueError(f"hkernels.attention_varlen: {name} ends at {last}, past the {rows} rows of "
+                             f"{'q' if name.endswith('q') else 'k'}")
+        longest = int(lengths.max()) if lengths.numel() else 0
+        max_name = "max_seqlen_" + name[-1]
+        if given is not None and given < longest:
+            raise ValueError(f"hkernels.attention_varlen: {max_name} = {given} is below the longest sequence of "
+                             f"{name} ({longest} rows): rows past it would be dropped")
 
 
 def _longest(cu: Tensor) -> int:
@@ -211,4 +234,4 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     return dq, dk, dv
 
 
-_CALLS = Public(OP, _check, _body)
+_CALLS = Public(OP, _check, _body, values=_values)

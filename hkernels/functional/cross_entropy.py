@@ -12,7 +12,17 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call, check_tensor, compute_dtype, placeholder, rows
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    autograd,
+    call,
+    check_range,
+    check_tensor,
+    compute_dtype,
+    placeholder,
+    rows,
+)
 
 OP = "cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
@@ -25,10 +35,10 @@ def cross_entropy(
 
     logits: [T, V] (tokens × vocabulary; flatten leading dims first), float16/bfloat16/float32; target: [T] class
     indices; ``ignore_index`` tokens contribute nothing (a mean divides by the others; NaN when there are none, as
-    PyTorch). A target outside [0, V) that is not ignore_index gives NaN (PyTorch raises; checking would cost a
-    host sync). Math in float32; the loss has logits' dtype. Differentiable in logits: with reduction mean or sum
-    the gradient is written by the forward kernel while the logits are read (the logits need not be kept), and the
-    backward only scales it, in place, when the upstream gradient is not 1.
+    PyTorch). A target outside [0, V) that is not ignore_index gives NaN (PyTorch raises; checking costs a host
+    sync: ``HKERNELS_CHECK=1`` raises instead). Math in float32; the loss has logits' dtype. Differentiable in
+    logits: with reduction mean or sum the gradient is written by the forward kernel while the logits are read (the
+    logits need not be kept), and the backward only scales it, in place, when the upstream gradient is not 1.
     """
     return _CALLS(logits, target, ignore_index, reduction, label_smoothing)
 
@@ -57,6 +67,10 @@ def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_sm
     check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
     if logits.shape[1] == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
+
+
+def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float) -> None:
+    check_range(OP, "target", target, 0, logits.shape[1], ignore_index)
 
 
 def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
@@ -219,4 +233,4 @@ def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
     return grad.copy_(grad.to(ct) * dloss.to(ct)[:, None])
 
 
-_CALLS = Public(OP, _check, _body)
+_CALLS = Public(OP, _check, _body, values=_values)

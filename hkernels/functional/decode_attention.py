@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, bound, call, compute_dtype, wants_grad
+from hkernels.functional._base import Public, Tensor, bound, call, check_range, compute_dtype, wants_grad
 from hkernels.functional.attention import check_qkv, softcap_value, window_bounds
 
 OP = "decode_attention"
@@ -30,10 +30,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     sequence b holds L_b valid cache rows 0 .. L_b−1, the new tokens' keys and values already written as the last
     Sq of them, so query token t sits at position L_b − Sq + t and sees keys j ≤ L_b − Sq + t (causal among the new
     tokens). Rows ≥ L_b are never read. L_b is read on the device (no host sync); values outside [0, S_max] are
-    clamped to it. ``window=(left, right)``: key j is also seen only if j ≥ position − left (None or −1: unbounded;
-    ``right`` is implied by the causal rule). ``softcap`` c > 0: scores become c·tanh(scale·q·k / c) before the
-    softmax. ``scale`` defaults to D^-0.5. A query that sees no key (L_b − Sq + t < 0) gets zeros.
-    Returns [B, Hq, Sq, D] in q's dtype, which does not require grad.
+    clamped to it (``HKERNELS_CHECK=1`` raises instead). ``window=(left, right)``: key j is also seen only if
+    j ≥ position − left (None or −1: unbounded; ``right`` is implied by the causal rule). ``softcap`` c > 0: scores
+    become c·tanh(scale·q·k / c) before the softmax. ``scale`` defaults to D^-0.5. A query that sees no key
+    (L_b − Sq + t < 0) gets zeros. Returns [B, Hq, Sq, D] in q's dtype; there is no backward (inputs that require
+    grad, with grad mode on, raise).
     """
     return _CALLS(q, k_cache, v_cache, cache_seqlens, scale, window, softcap)
 
@@ -55,6 +56,16 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, scale: Any, w
         raise TypeError(f"hkernels.decode_attention: scale must be a float or None, got {type(scale).__name__}")
     window_bounds(OP, window, True)
     softcap_value(OP, softcap)
+    if wants_grad(q, k_cache, v_cache):
+        raise ValueError("hkernels.decode_attention: it is forward only (inference); q, k_cache and v_cache require "
+                         "grad here: call it under torch.no_grad() or torch.inference_mode(), or on detached "
+                         "tensors (hkernels.attention has a backward)")
+
+
+def _values(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None,
+            window: Any, softcap: Any) -> None:
+    check_range(OP, "cache_seqlens", cache_seqlens, 0, k_cache.shape[2] + 1, why=" (S_max, k_cache's third dim, "
+                f"is {k_cache.shape[2]})")
 
 
 def _body(request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float | None,
@@ -153,4 +164,4 @@ def _fast(plan: Any, request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return lambda q, k_cache, v_cache, cache_seqlens, *_: run(q, k_cache, v_cache, cache_seqlens, s, left, cap)
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+_CALLS = Public(OP, _check, _body, _fast, values=_values)

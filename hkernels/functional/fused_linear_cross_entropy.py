@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     Tensor,
     autograd,
     call,
+    check_range,
     check_same,
     check_tensor,
     compute_dtype,
@@ -78,6 +79,11 @@ def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, 
     if weight.shape[0] == 0:
         raise ValueError("hkernels.fused_linear_cross_entropy: weight has no classes (V = 0)")
     check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
+
+
+def _values(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
+            label_smoothing: float) -> None:
+    check_range(OP, "target", target, 0, weight.shape[0], ignore_index)
 
 
 def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
@@ -182,4 +188,4 @@ def reference(
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(_cross_entropy)
 
 
-_CALLS = Public(OP, _check, _body)
+_CALLS = Public(OP, _check, _body, values=_values)

@@ -12,7 +12,16 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call, check_same, check_tensor, compute_dtype
+from hkernels.functional._base import (
+    Public,
+    Tensor,
+    autograd,
+    call,
+    check_range,
+    check_same,
+    check_tensor,
+    compute_dtype,
+)
 
 OP = "grouped_matmul"
 _INT = (torch.int32, torch.int64)
@@ -25,8 +34,8 @@ def grouped_matmul(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     x: [T, K]; weight: [E, N, K] (each expert an ``nn.Linear`` weight, [out, in]); group_sizes: [E] int32/int64 on
     x's device, group e being the next group_sizes[e] rows (zero-size groups allowed) -> [T, N] in x's dtype
     (float32 accumulation). No host sync: the sizes are read on the device, so they are not checked against T
-    there. A negative size counts as 0, groups reaching past row T are cut at T, and rows past the sizes' sum get
-    zeros (their gradients too). Differentiable in x and weight.
+    there (``HKERNELS_CHECK=1`` checks them). A negative size counts as 0, groups reaching past row T are cut at
+    T, and rows past the sizes' sum get zeros (their gradients too). Differentiable in x and weight.
     """
     return _CALLS(x, weight, group_sizes)
 
@@ -47,6 +56,14 @@ def _check(x: Any, weight: Any, group_sizes: Any) -> None:
                          f"{weight.shape[0]} experts (weight's first dim)")
     if group_sizes.device != x.device:
         raise ValueError(f"hkernels.grouped_matmul: group_sizes is on {group_sizes.device} but x is on {x.device}")
+
+
+def _values(x: Tensor, weight: Tensor, group_sizes: Tensor) -> None:
+    T = x.shape[0]
+    check_range(OP, "group_sizes", group_sizes, 0, T + 1)
+    total = int(group_sizes.sum())
+    if total > T:
+        raise ValueError(f"hkernels.grouped_matmul: group_sizes sum to {total}, past the T = {T} rows of x")
 
 
 def _body(request: str, x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
@@ -149,4 +166,4 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     return (dx.to(x.dtype) if dx is not None else None), (dw.to(weight.dtype) if dw is not None else None)
 
 
-_CALLS = Public(OP, _check, _body)
+_CALLS = Public(OP, _check, _body, values=_values)

@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     Tensor,
     autograd,
     call,
+    check_range,
     check_same,
     check_tensor,
     compute_dtype,
@@ -37,7 +38,8 @@ def moe(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, to
     int32/int64 and topk_weights: [..., k] floating, on x's device -> [..., H] in x's dtype, where
     ``out[t] = Σⱼ topk_weights[t, j] · down_proj[e] · (silu(g) ⊙ u)``, (g, u) = gate_up_proj[e] · x[t] split in
     halves, e = topk_ids[t, j]. A row may repeat an expert; experts may get no token. No host sync: an id outside
-    [0, E) selects nothing (its slot adds zero, and its weight's gradient is zero) instead of being checked.
+    [0, E) selects nothing (its slot adds zero, and its weight's gradient is zero) instead of being checked
+    (``HKERNELS_CHECK=1`` raises instead).
     Differentiable in x, both weights and topk_weights; the backward keeps the first matmul's outputs (2·I per
     token and slot, x's dtype) and recomputes the rest.
     """
@@ -73,6 +75,10 @@ def _check(x: Any, gate_up_proj: Any, down_proj: Any, topk_ids: Any, topk_weight
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise ValueError(f"hkernels.moe: {name} is on {t.device} but x is on {x.device}")
+
+
+def _values(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+    check_range(OP, "topk_ids", topk_ids, 0, gate_up_proj.shape[0], why=" (the experts, E = gate_up_proj's first dim)")
 
 
 def _body(request: str, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor,
@@ -249,4 +255,4 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, to
             dd.to(down_proj.dtype) if need_weights else None, dtw)
 
 
-_CALLS = Public(OP, _check, _body)
+_CALLS = Public(OP, _check, _body, values=_values)

@@ -19,6 +19,7 @@ from hkernels.functional._base import (
     autograd,
     bound,
     call,
+    check_range,
     check_same,
     check_tensor,
     compute_dtype,
@@ -39,7 +40,8 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
     With ``position_ids`` [B, S] (or [S] / [1, S], shared by the batch), int32 or int64 on q's device, cos and sin
     are tables [P, D] of P positions and token s of batch b takes row ``position_ids[b, s]``; positions may restart
     inside a row (packed sequences). The positions are not checked on the host (a sync): a position outside
-    [0, P) reads no memory out of bounds and gives NaN for that token's q_rot and k_rot (and their gradients).
+    [0, P) reads no memory out of bounds and gives NaN for that token's q_rot and k_rot (and their gradients);
+    ``HKERNELS_CHECK=1`` raises instead.
     """
     if position_ids is None:
         return _CALLS(q, k, cos, sin)
@@ -101,6 +103,10 @@ def _check_at(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any) -> None:
     _check_device("position_ids", position_ids, q)
     if cos.shape[0] == 0 and position_ids.numel():
         raise ValueError("hkernels.rope: cos and sin have no rows (P = 0) for position_ids to select")
+
+
+def _values_at(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor) -> None:
+    check_range(OP, "position_ids", position_ids, 0, cos.shape[0], why=f" (the tables have P = {cos.shape[0]} rows)")
 
 
 def _table(t: Tensor) -> Tensor:
@@ -259,4 +265,4 @@ def _fast(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
 
 
 _CALLS = Public(OP, _check, _body, _fast)
-_CALLS_AT = Public(OP, _check_at, _body_at)  # calls with position_ids: a path of their own
+_CALLS_AT = Public(OP, _check_at, _body_at, values=_values_at)  # calls with position_ids: a path of their own
