@@ -157,9 +157,17 @@ def _parse_env(text: str) -> _Layer:
         if "=" in item:
             op, _, value = (s.strip() for s in item.partition("="))
             _check_op(op)
-            per_op[op] = _check_request(value.lower(), f"HKERNELS_BACKEND={text!r}")
+            value = _check_request(value.lower(), f"HKERNELS_BACKEND={text!r}")
+            if per_op.get(op, value) != value:
+                raise ValueError(f"hkernels: HKERNELS_BACKEND={text!r} asks for two backends for {op} "
+                                 f"({per_op[op]} and {value}); give one")
+            per_op[op] = value
         else:
-            default = _check_request(item.lower(), f"HKERNELS_BACKEND={text!r}")
+            value = _check_request(item.lower(), f"HKERNELS_BACKEND={text!r}")
+            if default is not None and default != value:
+                raise ValueError(f"hkernels: HKERNELS_BACKEND={text!r} names two default backends ({default} and "
+                                 f"{value}); give one, and per-op choices as op=backend (e.g. helion,softmax=triton)")
+            default = value
     return _Layer(default, tuple(per_op.items()))
 
 
@@ -211,8 +219,10 @@ def _device_reason(backend: str, tensors: tuple[torch.Tensor, ...]) -> str | Non
     )
 
 
-def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> str | None:
-    """Why ``backend`` cannot run ``op`` on these tensors, or None if it can."""
+def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> str | None:
+    """Why ``backend`` cannot run ``op`` (its function ``fn``) on these tensors, or None if it can: the device, the
+    dtypes, an import failure, or what the backend module's ``refuses(fn, tensors)`` says it does not take (a
+    property of the signature it declares, such as Helion attention's head dims)."""
     reason = _device_reason(backend, tensors)
     if reason is not None:
         return reason
@@ -221,7 +231,10 @@ def unavailable_reason(op: str, backend: str, tensors: tuple[torch.Tensor, ...])
         if bad:
             return f"its kernels take float32, bfloat16 and float16, not {', '.join(bad)}"
     module = registry.load(op, backend)
-    return module if isinstance(module, str) else None
+    if isinstance(module, str):
+        return module
+    refuses = getattr(module, "refuses", None)
+    return refuses(fn or f"{op}_fwd", tensors) if refuses is not None else None
 
 
 # --------------------------------------------------------------------------------------------- failure memory
@@ -262,19 +275,20 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
            bucket_fn: str | None = None) -> tuple[str, str]:
     """(backend, why) for a call of ``op``'s function ``fn`` that asks for ``request``; raises if a named backend
     cannot run. ``bucket_fn``: the function whose auto buckets decide when ``fn`` is not given."""
+    which = fn or bucket_fn
     if request != "auto":
-        reason = unavailable_reason(op, request, tensors)
+        reason = unavailable_reason(op, request, tensors, which)
         if reason is None:
             return request, "asked for by name"
-        can = [b for b in BACKENDS if unavailable_reason(op, b, tensors) is None]
+        can = [b for b in BACKENDS if unavailable_reason(op, b, tensors, which) is None]
         raise BackendUnavailableError(
             f"hkernels.{op}: backend {request!r} cannot run this call: {reason}. "
             f"Backends that can: {', '.join(can)}"
         )
     if not tensors or (all(t.device.type == "cpu" for t in tensors) and not _interpret.enabled()):
         return "torch", "auto: CPU tensors run on torch"
-    helion_reason = unavailable_reason(op, "helion", tensors)
-    triton_ok = unavailable_reason(op, "triton", tensors) is None
+    helion_reason = unavailable_reason(op, "helion", tensors, which)
+    triton_ok = unavailable_reason(op, "triton", tensors, which) is None
     if helion_reason is None:
         failure = (_helion_failures.get(_signature(fn, tensors)) if fn is not None
                    else _helion_failed_rows.get(_row_signature(op, tensors)))
@@ -601,8 +615,11 @@ def _run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[to
 # ------------------------------------------------------------------------------------------------ introspection
 
 
-def backends(op: str) -> list[str]:
-    """Backends that can run ``op`` on this machine (CUDA present, or interpret mode), best first."""
+def backends(op: str | None = None) -> list[str] | dict[str, list[str]]:
+    """Backends that can run ``op`` on this machine (CUDA present, or interpret mode), best first; without an op,
+    {op: its backends} for every op."""
+    if op is None:
+        return {name: backends(name) for name in ops()}  # type: ignore[misc]
     _check_op(op)
     kernels_here = torch.cuda.is_available()
     if not kernels_here and _interpret.enabled():

@@ -122,6 +122,24 @@ def test_env_errors_name_the_valid_choices(monkeypatch, device, env):
         hkernels.softmax(_x(device))
 
 
+@pytest.mark.parametrize(("env", "pattern"), [
+    ("helion,triton", r"names two default backends \(helion and triton\); give one"),
+    ("softmax=triton,softmax=helion", r"asks for two backends for softmax \(triton and helion\)"),
+])
+def test_env_asking_for_two_backends_at_once_raises(monkeypatch, device, env, pattern):
+    """Two defaults (or two choices for one op) are a mistake, not "the last one wins"; the same one twice is fine."""
+    monkeypatch.setenv("HKERNELS_BACKEND", env)
+    with pytest.raises(ValueError, match=r"hkernels: HKERNELS_BACKEND=.* " + pattern):
+        hkernels.softmax(_x(device))
+    monkeypatch.setenv("HKERNELS_BACKEND", "triton,Triton,softmax=torch,softmax=torch")
+    assert hkernels.selected_backend("softmax", _x(device)) == "torch"
+
+
+def test_backends_without_an_op_lists_every_op(device):
+    every = hkernels.backends()
+    assert list(every) == hkernels.ops() and all(every[op] == hkernels.backends(op) for op in every)
+
+
 def test_scope_beats_env_and_restores(monkeypatch, device):
     x = _x(device)
     monkeypatch.setenv("HKERNELS_BACKEND", "triton")

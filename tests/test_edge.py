@@ -457,18 +457,33 @@ def test_attention_varlen_rows_of_no_sequence_are_zero(backend, device):
         torch.testing.assert_close(o.detach().double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_attention_head_dim_256_runs_on_triton(device, monkeypatch):
-    """D = 256 (Gemma): Helion's kernels refuse it by name; where auto would try Helion (no measured table says
-    otherwise: the shipped one may already pick Triton), it runs Triton after one warning."""
+@pytest.mark.parametrize("op", ["attention", "attention_varlen"])
+def test_attention_head_dim_256_runs_on_triton(op, device, monkeypatch):
+    """D = 256 (Gemma): Helion's kernels declare that they refuse it, so auto runs Triton without trying Helion
+    and without a warning (forward and backward), and selected_backend says so before the call, even where no
+    measured table picks Triton; Helion asked for by name raises naming the reason and what can run it."""
+    import warnings
+
     from hkernels import configs
 
     monkeypatch.setattr(configs, "auto_table", lambda arch: {})
     g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(1, 2, 20, 256, generator=g).to(device) for _ in range(3))
+    if op == "attention":
+        q, k, v = (torch.randn(1, 2, 20, 256, generator=g).to(device).requires_grad_() for _ in range(3))
+        args, kwargs = (q, k, v), {"causal": True}
+    else:
+        q, k, v = (torch.randn(20, 2, 256, generator=g).to(device).requires_grad_() for _ in range(3))
+        args, kwargs = (q, k, v, torch.tensor([0, 7, 20], dtype=torch.int32, device=device)), {"causal": True}
+    run = getattr(hkernels, op)
     with hkernels.use_backend("helion"), pytest.raises(hkernels.BackendUnavailableError,
-                                                       match=r"attention.*head dims up to 128, got 256.*triton"):
-        hkernels.attention(q, k, v, causal=True)
-    with pytest.warns(hkernels.HKernelsFallbackWarning, match=r"attention.*head dims up to 128.*Triton"):
-        o = hkernels.attention(q, k, v, causal=True)
-    torch.testing.assert_close(o.double(), references.attention(q.double(), k.double(), v.double(), causal=True),
-                               atol=1e-4, rtol=1e-4)
+                                                       match=rf"{op}.*head dims up to 128, got 256.*triton"):
+        run(*args, **kwargs)
+    chosen = hkernels.selected_backend(op, *args, **kwargs)
+    assert chosen == "triton" and "head dims up to 128, got 256" in chosen.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = run(*args, **kwargs)
+        o.sum().backward()
+    ref = getattr(references, op)(*(a.detach().double() if a.is_floating_point() else a for a in args), **kwargs)
+    torch.testing.assert_close(o.double(), ref, atol=1e-4, rtol=1e-4)
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

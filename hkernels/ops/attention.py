@@ -593,12 +593,24 @@ def _attention_masked_bwd_dkdv(
             hl.store(dv, [bi, hi, rows, slice(None)], dv_acc.to(dv.dtype), extra_mask=in_seq[:, None])
 
 
-def _check_head_dim(d: int) -> None:
+def _head_dim_refused(d: int) -> str | None:
     # [rows, D] float32 accumulators of D = 256 with the shipped tiles need more registers and shared memory than
     # an SM has; Triton's twin takes D = 256 with tiles of its own.
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"attention: the Helion kernels take head dims up to {MAX_HEAD_DIM}, got {d} (the Triton "
-                         "backend runs D = 256)")
+        return f"the Helion kernels take head dims up to {MAX_HEAD_DIM}, got {d} (the Triton backend runs D = 256)"
+    return None
+
+
+def refuses(fn: str, tensors: tuple[Tensor, ...]) -> str | None:
+    """Why these kernels refuse a call of ``fn`` on ``tensors`` (q, or the gradient, first: its last dim is D)
+    before trying it, or None: the dispatcher's auto routes such calls to another backend without a warning."""
+    return _head_dim_refused(tensors[0].shape[-1]) if tensors and tensors[0].dim() else None
+
+
+def _check_head_dim(d: int) -> None:
+    reason = _head_dim_refused(d)
+    if reason is not None:
+        raise ValueError(f"attention: {reason}")
 
 
 def _max_offset(x: Tensor) -> int:
