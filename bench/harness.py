@@ -177,10 +177,12 @@ def table(rows: Iterable[Row]) -> str:
 def check_table(rows: Iterable[Row]) -> str:
     """One line per row of a run without timings: its largest error against the float64 reference, the tolerance,
     and the verdict."""
-    head = f"{'op':<13} {'shape':>17} {'mode':<7} {'backend':<13} {'max err':>8} {'tolerance':>9}  result"
+    rows = list(rows)
+    w = max([13, *(len(_short(r.op)) for r in rows)])
+    head = f"{'op':<{w}} {'shape':>17} {'mode':<7} {'backend':<13} {'max err':>8} {'tolerance':>9}  result"
     lines = [head, "-" * len(head)]
     for r in rows:
-        what = f"{_short(r.op):<13} {shape_of(r):>17} {r.mode:<7} {r.backend:<13}"
+        what = f"{_short(r.op):<{w}} {shape_of(r):>17} {r.mode:<7} {r.backend:<13}"
         if r.error:
             lines.append(f"{what} failed: {r.error[:60]}")
             continue

@@ -215,12 +215,9 @@ def _wrapper(mode: str, device: torch.device) -> Callable[[nn.Module], nn.Module
     return fsdp2
 
 
-def _patch_ops(args: argparse.Namespace) -> list[str] | None:
-    from hkernels.patch import OPS
-
-    if args.patch_ops in (None, ""):
-        return None
-    return list(OPS) if args.patch_ops == "all" else [o.strip() for o in args.patch_ops.split(",") if o.strip()]
+def _patch_ops(args: argparse.Namespace) -> str | None:
+    """hkernels.patch's ops: None (its default set), "all", or the ops named (each must replace something)."""
+    return args.patch_ops or None
 
 
 def _rank_world() -> tuple[int, int]:
@@ -275,9 +272,10 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
     tokens = args.batch * args.seq * timed * (world if dist_mode != "none" else 1)
+    on_time = on_gpu and timed and elapsed > 0  # interpreted kernels on a CPU: no time means anything
     result.update(
-        tokens_per_s=tokens / elapsed if timed and elapsed > 0 else None,
-        step_ms=elapsed / timed * 1e3 if timed else None,
+        tokens_per_s=tokens / elapsed if on_time else None,
+        step_ms=elapsed / timed * 1e3 if on_time else None,
         peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None,
         last_loss=losses[-1] if losses else None,
         losses=losses,
@@ -358,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             "the harness)")
         return 2
     if not on_gpu:
-        say("interpret mode on a CPU: a check of the harness; the kernels run in Triton's interpreter, so tokens/s "
-            "and step times measure nothing")
+        say("interpret mode on a CPU: a check of the harness; the kernels run in Triton's interpreter, so it "
+            "reports each variant's losses and no times")
     device, rank, world = torch.device("cuda" if on_gpu else "cpu"), 0, 1
     if args.dist != "none":
         joined = _init_dist(args.dist, say)
@@ -440,6 +438,38 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
         (out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "converge": converge}, indent=1))
         if converge is not None and _plot(converge["curves"], out / "loss_curves.png"):
             say(f"plot: {out / 'loss_curves.png'}")
+    if not on_gpu:
+        _print_losses(rows)
+    else:
+        _print_throughput(rows, args, world)
+    if converge is not None:
+        verdict = "match" if converge["match"] else "DO NOT match"
+        print(f"\nloss curves over {converge['steps']} steps, {converge['reference']} vs {converge['candidate']}: "
+              f"{verdict} (worst at step {converge['worst_step']}: {converge['reference_loss']:.4f} vs "
+              f"{converge['candidate_loss']:.4f}; {converge['tolerance']})")
+    if not on_gpu:
+        print("\n(interpreted on a CPU: a check of the harness, which reports losses and no times)")
+    failed = any(r.get("error") for r in rows) or (converge is not None and not converge["match"])
+    return 1 if failed else 0
+
+
+def _print_losses(rows: list[dict[str, Any]]) -> None:
+    """Without a GPU: each variant's losses, and whether its curve matches eager's."""
+    eager = next((r for r in rows if r["variant"] == "eager" and r.get("losses")), None)
+    print(f"\n{'variant':16s} {'steps':>5s} {'first loss':>10s} {'last loss':>9s}  loss curve vs eager's")
+    for r in rows:
+        if not r.get("losses"):
+            print(f"{r['variant']:16s} {'failed: ' + r['error'][:100] if r.get('error') else 'no steps'}")
+            continue
+        losses, verdict = r["losses"], "-"
+        if eager is not None and r is not eager:
+            c = compare_curves(eager["losses"], losses)
+            verdict = (f"{'match' if c['match'] else 'DO NOT match'} (worst at step {c['worst_step']}: "
+                       f"{c['reference_loss']:.4f} vs {c['candidate_loss']:.4f})")
+        print(f"{r['variant']:16s} {len(losses):5d} {losses[0]:10.4f} {losses[-1]:9.4f}  {verdict}")
+
+
+def _print_throughput(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
     eager = next((r for r in rows if r["variant"] == "eager" and r.get("tokens_per_s")), None)
     print(f"\n{'variant':16s} {'tokens/s':>10s} {'step ms':>9s} {'peak MiB':>9s} {'vs eager':>8s} {'mem/eager':>9s} "
           f"{'last loss':>9s}" + (f"   ({args.dist} over {world} processes; tokens/s of all, memory of one)"
@@ -453,12 +483,3 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
         mem = f"{peak / eager['peak_mib']:.2f}" if eager and peak and eager["peak_mib"] else "-"
         print(f"{r['variant']:16s} {tps:10.0f} {r['step_ms']:9.1f} {peak or 0:9.0f} {speed:>8s} {mem:>9s} "
               f"{r['last_loss']:9.4f}")
-    if converge is not None:
-        verdict = "match" if converge["match"] else "DO NOT match"
-        print(f"\nloss curves over {converge['steps']} steps, {converge['reference']} vs {converge['candidate']}: "
-              f"{verdict} (worst at step {converge['worst_step']}: {converge['reference_loss']:.4f} vs "
-              f"{converge['candidate_loss']:.4f}; {converge['tolerance']})")
-    if not on_gpu:
-        print("\n(interpreted on a CPU: tokens/s and step times measure nothing; the losses are real)")
-    failed = any(r.get("error") for r in rows) or (converge is not None and not converge["match"])
-    return 1 if failed else 0

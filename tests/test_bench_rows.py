@@ -119,3 +119,26 @@ def test_a_helion_candidate_of_the_sweeps_compiles_its_own_kernel(tool, device):
         finally:
             undo()
     assert kernels[0] is not kernels[1]
+
+
+def test_a_run_without_a_gpu_prints_each_row_once_and_no_time(tmp_path, capsys, device):
+    """On a CPU (interpreted kernels): one line per row, no time anywhere (stdout, stderr, results.csv), and the
+    closing lines name the output folder and what each file holds."""
+    if device.type == "cuda":
+        pytest.skip("a GPU run times its rows")
+    import csv
+    import re
+
+    from bench.run import main as run_main
+
+    assert run_main(["--quick", "--ops", "swiglu", "--shapes", "4x64", "--backends", "triton,torch", "--out",
+                     str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    rows = [line.split("] ", 1)[1] for line in (out + err).splitlines() if re.match(r"\[\s*\d+/\d+\] ", line)]
+    total = int(re.search(r"(\d+) of \1 rows", out).group(1))
+    assert len(rows) == len(set(rows)) == total, rows
+    assert [line for line in out.splitlines() if "4x64" in line and " rows " not in line] == []  # no table again
+    assert not re.search(r"\d \s?(s|ms|µs)\b|tokens/s|GB/s", out + err), out + err
+    assert f"Written to {tmp_path}/: report.md" in out and "table.txt" in out and "results.csv" in out
+    with open(tmp_path / "results.csv") as f:
+        assert all(not r["first_s"] and not r["bench_s"] and not r["ms"] for r in csv.DictReader(f))

@@ -21,7 +21,8 @@ def test_train_smoke_writes_results(tmp_path):
                      "--out", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["variant"] for r in data["rows"]] == ["eager", "hkernels-triton"]
-    assert all(r.get("tokens_per_s") and len(r["losses"]) == 2 for r in data["rows"])
+    timed = torch.cuda.is_available()  # a CPU run (interpreted kernels) reports losses, no times
+    assert all(bool(r.get("tokens_per_s")) == timed and len(r["losses"]) == 2 for r in data["rows"])
     assert len(data["converge"]["curves"]["eager"]) == 3 and data["converge"]["reference"] == "eager"
     assert rc == (0 if data["converge"]["match"] else 1)
 
