@@ -393,8 +393,9 @@ def _hf_sdpa(original: Any) -> Any:
                   dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                   **kwargs: Any) -> tuple[Tensor, None]:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        out = _hf_attention(module, query, key, value, attention_mask, dropout, scaling, bool(causal), kwargs,
-                            collector)
+        # A softcap is not SDPA's: transformers' sdpa function ignores it (4.x) or raises (5.x); the original does.
+        out = None if kwargs.get("softcap") is not None else _hf_attention(
+            module, query, key, value, attention_mask, dropout, scaling, bool(causal), kwargs, collector)
         if out is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             is_causal=is_causal, **kwargs)
