@@ -20,13 +20,17 @@ as modules.
 
 The mapping takes every ``"rotary_pos_emb"`` to be the full rotate_half rotation, as transformers' own mapping
 does; the layer raises on tables of another width (a partial or half-table rotation). :func:`kernelize` keeps
-hkernels' rope only in the modules :func:`hkernels.patch` knows compute it (``HF_ROPE_MODULES``).
+hkernels' rope only in the modules :func:`hkernels.patch` knows compute it (``HF_ROPE_MODULES``). Tested with
+kernels 0.16 (transformers 5.17) and 0.19 (transformers 5.25). Before 0.19, kernels shares the module-level
+function among the attention modules: kernelizing one model's rope then kernelizes every model of that module,
+as :func:`hkernels.patch` does, and :func:`hkernels.unpatch` restores it for all.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -51,6 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
+    forward.hkernels_layer = True  # type: ignore[attr-defined]  (on the function: kernels allows no new members)
+
 
 class RotaryPosEmb(nn.Module):
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (marked ``"rotary_pos_emb"``) on
@@ -66,6 +72,8 @@ class RotaryPosEmb(nn.Module):
                              "this model's rotary_pos_emb out of the kernel mapping")
         return _patch._rotate(q, k, cos, sin, unsqueeze_dim)
 
+    forward.hkernels_layer = True  # type: ignore[attr-defined]
+
 
 # The names transformers marks -> (the op, hkernels' layer)
 LAYERS: dict[str, tuple[str, type[nn.Module]]] = {"RMSNorm": ("rms_norm", RMSNorm),
@@ -76,8 +84,6 @@ HOOKED_OPS = tuple(op for op, _ in LAYERS.values())
 class Repository:
     """A ``kernels`` repository object with no network behind it: ``load()`` returns one of this module's layer
     classes. Equal (and hashed) by the layer, so ``kernels`` loads each once."""
-
-    hkernels = True  # what hkernels.patch recognises a module kernelized with this mapping by
 
     def __init__(self, layer: type[nn.Module]) -> None:
         self.layer = layer
@@ -154,13 +160,15 @@ def kernelize(model: nn.Module, mode: Any = None, *, device: str | torch.device 
     tally = _patch._Tally(wanted)
     hooked = [op for op in HOOKED_OPS if op in wanted]
     if hooked:
-        # kernels logs a warning for each marked layer no mapping names (activations, ...): not hkernels' to say.
+        # kernels says, for each marked layer no mapping names (activations, ...), that it keeps its forward (a
+        # log record, or a warning before 0.19): not hkernels' to say.
         quiet = logging.getLogger("kernels")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         before = {id(m) for m in _marked(model) if _patch._kernelized(m)}
         try:
-            with kernels.use_kernel_mapping(mapping(hooked)):
+            with kernels.use_kernel_mapping(mapping(hooked)), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"\s*No kernel mapping found for layer")
                 kernels.kernelize(model, mode=mode, device=device)
         finally:
             quiet.setLevel(level)
@@ -189,21 +197,21 @@ def _marked(model: nn.Module) -> list[nn.Module]:
 
 def _kernelized(model: nn.Module) -> list[_patch.Replacement]:
     """What ``kernels.kernelize`` has put on hkernels in ``model`` with :func:`mapping`: marked modules, and the
-    per-model copies of marked functions (``where``: the module path, then ``:`` and the function). A copy of
-    ``apply_rotary_pos_emb`` in a module that is not known to compute the full rotate_half rotation gets its own
-    forward back."""
-    out = []
+    copies of marked functions the attention modules hold (``where``: the module path, then ``:`` and the
+    function; kernels 0.19 gives each module its own copy, 0.16 shares the module-level function, listed once). A
+    function in a module that is not known to compute the full rotate_half rotation gets its own forward back."""
+    out, seen = [], set()
     for path, m in model.named_modules():
         where = path or "<model>"
         if _patch._kernelized(m):
             op = LAYERS[type(m).kernel_layer_name][0]
             out.append(_patch.Replacement(where, op, "kernelized", type(m).forward, m))
         for name, fn in getattr(m, "_kernel_funcs", {}).items():
-            if not _patch._kernelized(fn):
+            if not _patch._kernelized(fn) or id(fn) in seen:
                 continue
+            seen.add(id(fn))
             if type(m).__module__ not in _patch.HF_ROPE_MODULES:
-                fn.__dict__.pop("forward", None)
-                fn.__dict__.pop("_kernel_repo", None)
+                _patch.unkernelize(fn)
                 continue
             out.append(_patch.Replacement(f"{where}:{name}", "rope", "kernelized", type(fn).forward, fn))
     return out

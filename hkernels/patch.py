@@ -89,8 +89,9 @@ class Replacement:
 
     def __repr__(self) -> str:
         if self.kind == "kernelized":
-            repo = self.new.__dict__.get("_kernel_repo", "its own forward again")
-            return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {repo} (kernels.kernelize))"
+            now = getattr(self.new.__dict__.get("forward"), "__func__", None)
+            layer = now.__qualname__.rpartition(".")[0] if _kernelized(self.new) else "its own forward again"
+            return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {layer} (kernels.kernelize))"
         return f"Replacement({self.where!r}: {self.op}, {_name(self.old)} -> {_name(self.new)})"
 
 
@@ -534,14 +535,24 @@ def _bind(m: nn.Module, fn: Any) -> Any:
 
 
 def _kernelized(m: nn.Module) -> bool:
-    """``m``'s forward was put on hkernels by ``kernels.kernelize`` with :func:`hkernels.hub.mapping`."""
-    return getattr(m.__dict__.get("_kernel_repo"), "hkernels", False)
+    """``m``'s forward was set by ``kernels.kernelize`` to one of :mod:`hkernels.hub`'s layers (its forward, bound
+    to ``m``: how every kernels release replaces a forward)."""
+    return getattr(getattr(m.__dict__.get("forward"), "__func__", None), "hkernels_layer", False)
+
+
+def unkernelize(m: nn.Module) -> None:
+    """Give ``m`` (a marked layer, or a marked function's module) its own forward back, as kernels itself does."""
+    m.__dict__.pop("forward", None)
+    m.__dict__.pop("_kernel_repo", None)
 
 
 def _hooked(m: nn.Module) -> bool:
-    """Hooks registered on ``m``, or a forward replaced on the instance (accelerate's offloading does that)."""
+    """Hooks registered on ``m``, or a forward replaced on the instance (accelerate's offloading does that; the
+    class's own forward bound there, as kernels 0.16 leaves a layer it reverts, replaces nothing)."""
+    own = m.__dict__.get("forward")
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None) or "forward" in m.__dict__)
+                or getattr(m, "_backward_pre_hooks", None)
+                or (own is not None and getattr(own, "__func__", None) is not type(m).forward))
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -824,9 +835,7 @@ def _undo(model: nn.Module, newest_first: list[Replacement]) -> None:
             target = model if r.where == "<model>" else model.get_submodule(r.where)
             target.__dict__.pop("forward", None)
         elif r.kind == "kernelized":
-            # r.new: the module (a layer, or a function's per-model wrapper) whose forward kernels replaced
-            r.new.__dict__.pop("forward", None)
-            r.new.__dict__.pop("_kernel_repo", None)
+            unkernelize(r.new)
         elif r.kind == "experts":
             config = model.get_submodule(r.where).config
             config._experts_implementation_internal = r.old

@@ -457,6 +457,19 @@ def _hub():
     return hub
 
 
+def _replaced(m: torch.nn.Module) -> bool:
+    """m's forward is set on the instance to something other than its class's own."""
+    own = m.__dict__.get("forward")
+    return own is not None and getattr(own, "__func__", None) is not type(m).forward
+
+
+def _functions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The marked functions' modules the attention modules call: one per attention module (kernels 0.19), or the
+    module-level one they share (0.16)."""
+    found = {id(f): f for m in model.modules() for f in getattr(m, "_kernel_funcs", {}).values()}
+    return list(found.values())
+
+
 def _spy_hub(monkeypatch) -> list[str]:
     """Records each call hkernels' kernelized layers make: "rms_norm" or "rope"."""
     import sys
@@ -496,7 +509,8 @@ def test_hf_kernelize_runs_marked_layers_on_hkernels(family, device, monkeypatch
                          ("fused_linear_cross_entropy", "forward")}, kinds
         layers = model.config.num_hidden_layers
         norms = (4 if family == "qwen3" else 2) * layers + 1
-        assert sum(r.op == "rms_norm" for r in done) == norms and sum(r.op == "rope" for r in done) == layers
+        assert sum(r.op == "rms_norm" for r in done) == norms
+        assert sum(r.op == "rope" for r in done) == len(_functions(model)) in (1, layers)
         assert type(model.model.norm) is norm_cls and module.apply_rotary_pos_emb is rope_fn
         assert model.state_dict().keys() == plain.state_dict().keys()
         assert hub.kernelize(model, Mode.TRAINING) == []  # already on hkernels
@@ -510,8 +524,7 @@ def test_hf_kernelize_runs_marked_layers_on_hkernels(family, device, monkeypatch
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     finally:
         unpatch(model)
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    assert not any("forward" in f.__dict__ for m in model.modules() for f in getattr(m, "_kernel_funcs", {}).values())
+    assert not any(_replaced(m) for m in model.modules()) and not any(_replaced(f) for f in _functions(model))
 
 
 def test_hf_kernel_mapping_is_what_kernels_kernelize_takes(device, monkeypatch):
@@ -521,15 +534,19 @@ def test_hf_kernel_mapping_is_what_kernels_kernelize_takes(device, monkeypatch):
     import kernels
 
     model, ids = _tiny("llama", device)
-    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
     calls = _spy_hub(monkeypatch)
-    for mode in (kernels.Mode.INFERENCE, kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE):
-        with kernels.use_kernel_mapping(hub.mapping()):
-            kernels.kernelize(model, mode=mode, device=device.type)
-        with torch.no_grad(), hkernels.use_backend("torch"):
-            torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4,
-                                       atol=1e-5)
-    assert calls.count("rms_norm") == 2 * 5 and calls.count("rope") == 2 * 2
+    try:
+        for mode in (kernels.Mode.INFERENCE, kernels.Mode.TRAINING | kernels.Mode.TORCH_COMPILE):
+            with kernels.use_kernel_mapping(hub.mapping()):
+                kernels.kernelize(model, mode=mode, device=device.type)
+            with torch.no_grad(), hkernels.use_backend("torch"):
+                torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        assert calls.count("rms_norm") == 2 * 5 and calls.count("rope") == 2 * 2
+    finally:
+        for m in (*model.modules(), *_functions(model)):
+            m.__dict__.pop("forward", None)  # (0.16 shares the module-level function: leave it as it was)
     assert set(hub.mapping("rms_norm")) == {"RMSNorm"}
     with pytest.raises(ValueError, match=r"hkernels\.hub\.mapping: no marked layer for op\(s\) \['swiglu'\]"):
         hub.mapping(["swiglu"])
@@ -542,7 +559,7 @@ def test_hf_kernelize_raises_for_an_op_it_cannot_place(device):
     model, _ = _tiny("llama", device)
     with pytest.raises(ValueError, match=r"hkernels\.hub\.kernelize: geglu replaced nothing"):
         hub.kernelize(model, ops=["rms_norm", "geglu"])
-    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any(_replaced(m) for m in model.modules())
 
 
 def test_hf_kernelized_model_trains_under_torch_compile(device):
