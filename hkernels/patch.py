@@ -1,17 +1,19 @@
 """``hkernels.patch(model)``: swap hkernels' ops into an existing model, in place; ``hkernels.unpatch(model)``
 puts everything back.
 
-What is replaced (``ops`` picks; default all):
+What is replaced (``ops`` picks; default all but attention, ``"all"`` everything):
 - ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face's LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm and
-  Qwen3RMSNorm (by name: look-alikes that scale by 1 + weight are left alone) -> :class:`hkernels.nn.RMSNorm`
-  holding the same Parameter objects;
+  Qwen3RMSNorm and every class transformers marks ``use_kernel_forward_from_hub("RMSNorm")`` (its name for this
+  computation; look-alikes that scale by 1 + weight are left alone) -> :class:`hkernels.nn.RMSNorm` holding the
+  same Parameter objects;
 - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
 - ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
   :func:`hkernels.geglu`;
 - ``rope``: the module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of the modules that define the model's
   classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3
-  modules; or a function marked ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`;
+  modules, the function itself or the module ``kernels`` wraps it in under transformers 5; or a function marked
+  ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`;
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
@@ -41,7 +43,9 @@ What is replaced (``ops`` picks; default all):
   marked ``hkernels_attention = "causal"`` (``bench.model``'s).
 
 Parameters are shared, not copied: an optimizer built before patching keeps working, and the state_dict keys are
-unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order.
+unchanged. Every replacement is recorded on the model; :func:`unpatch` undoes them in reverse order. An op named
+in ``ops`` that replaces nothing (and finds nothing already on hkernels) raises, saying why, and the call replaces
+nothing; ``strict=False`` makes that a warning. :func:`hkernels.hub.kernelize` shares this module's passes.
 """
 
 from __future__ import annotations
