@@ -85,7 +85,7 @@ def test_checking_mode_raises_on_every_backend(op, change, pattern, backend, dev
 @pytest.mark.parametrize(("op", "change", "pattern"), CASES, ids=IDS)
 def test_without_checking_mode_the_values_are_taken_on_trust(op, change, pattern, device, monkeypatch):
     """Off (unset, or 0): the same calls run, with the documented results for such values (no sync to check them)."""
-    for value in (None, "0"):
+    for value in (None, "0", "False"):
         if value is None:
             monkeypatch.delenv("HKERNELS_CHECK", raising=False)
         else:

@@ -85,14 +85,15 @@ _MAX_PLANS = 4096  # per op: a caller whose shapes never repeat starts over past
 _publics: list[Public] = []
 
 
-_OFF = frozenset({None, "", "0", "false", "no", "off", b"", b"0", b"false", b"no", b"off"})
+_OFF = frozenset({"", "0", "false", "no", "off", b"", b"0", b"false", b"no", b"off"})
 _CHECK_KEY = dispatch.env_key("HKERNELS_CHECK")
 
 
 def checking() -> bool:
-    """``HKERNELS_CHECK`` asks for checking mode now (set, and not 0/false/no/off): every value the kernels take on
-    trust is checked on every eager call, at the cost of a host sync."""
-    return dispatch.env_value(_CHECK_KEY) not in _OFF
+    """``HKERNELS_CHECK`` asks for checking mode now (set, and not 0/false/no/off in any case): every value the
+    kernels take on trust is checked on every eager call, at the cost of a host sync."""
+    value = dispatch.env_value(_CHECK_KEY)
+    return value is not None and value.strip().lower() not in _OFF
 
 
 class Public:
@@ -116,7 +117,7 @@ class Public:
         if torch.compiler.is_compiling():
             self.check(*args)
             return self.body("", *args)  # the custom ops read the request when the compiled code runs
-        if self.values is not None and dispatch.env_value(_CHECK_KEY) not in _OFF:
+        if self.values is not None and checking():
             self.check(*args)  # (the values' checks take well-formed arguments)
             self.values(*args)
         request = dispatch.requested(self.op)
