@@ -141,7 +141,7 @@ def kernelize(model: nn.Module, mode: Any = None, *, device: str | torch.device 
               ops: str | list[str] | tuple[str, ...] | None = None, strict: bool = True) -> list[_patch.Replacement]:
     """Put ``model`` on hkernels through transformers' hooks first: ``kernels.kernelize`` with :func:`mapping` for
     the layers transformers marks (the norms, rope), then :func:`hkernels.patch` for the rest of ``ops`` (the MLP,
-    the loss, the experts; and a marked op's layers where nothing is marked, as in transformers 4). ``ops`` as
+    the loss, the experts, norms that are not marked, such as ``torch.nn.RMSNorm``). ``ops`` as
     :func:`hkernels.patch`'s; ``mode``: a ``kernels.Mode`` (default: training or inference as ``model.training``
     says; add ``Mode.TORCH_COMPILE`` for a compiled model); ``device``: the device type the model runs on (default:
     its parameters'). Returns every replacement; :func:`hkernels.unpatch` undoes them. As :func:`hkernels.patch`,
