@@ -23,6 +23,7 @@ from hkernels.dispatch import (  # noqa: E402
     use_backend,
 )
 from hkernels.functional import references  # noqa: E402
+from hkernels.functional._base import trace_all  # noqa: E402
 from hkernels.functional.add_rms_norm import add_rms_norm  # noqa: E402
 from hkernels.functional.attention import attention  # noqa: E402
 from hkernels.functional.attention_varlen import attention_varlen  # noqa: E402
@@ -40,6 +41,9 @@ from hkernels.functional.softmax import softmax  # noqa: E402
 from hkernels.functional.swiglu import swiglu  # noqa: E402
 from hkernels.hub import kernelize  # noqa: E402  (the same through transformers' kernel hooks)
 from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
+
+trace_all()  # every op's custom ops visible to torch.compile (traced into the graph, not called back)
+del trace_all
 
 __version__ = "0.1.0"
 

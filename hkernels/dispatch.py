@@ -255,13 +255,14 @@ def _signature(fn: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     # Helion compiles per dtype and last-dim size (row counts are dynamic), so that is what a failure is keyed by;
     # a 1-D tensor's length is a row count (targets, per-row scales, stats): keyed by its rank only, or every new
     # token count would retry a failing compile.
-    return (fn, tuple((t.dtype, t.dim(), t.shape[-1] if t.dim() > 1 or (i == 0 and t.dim()) else 0)
+    # (int(): a traced call's symbolic last dim is specialised, as its kernels specialise it)
+    return (fn, tuple((t.dtype, t.dim(), int(t.shape[-1]) if t.dim() > 1 or (i == 0 and t.dim()) else 0)
                       for i, t in enumerate(tensors)))
 
 
 def _row_signature(op: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     t = _routed_tensor(tensors)
-    return (op, t.dtype, t.shape[-1] if t.dim() else 1)
+    return (op, t.dtype, int(t.shape[-1]) if t.dim() else 1)
 
 
 def _tensors(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -290,7 +291,8 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
     helion_reason = unavailable_reason(op, "helion", tensors, which)
     triton_ok = unavailable_reason(op, "triton", tensors, which) is None
     if helion_reason is None:
-        failure = (_helion_failures.get(_signature(fn, tensors)) if fn is not None
+        failure = (None if not (_helion_failures or _helion_failed_rows)
+                   else _helion_failures.get(_signature(fn, tensors)) if fn is not None
                    else _helion_failed_rows.get(_row_signature(op, tensors)))
         if failure is None:
             measured = _measured_choice(op, tensors, fn or bucket_fn) if triton_ok else None
@@ -439,6 +441,8 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
     signature, its settings, grids and compiled kernels found once). Inside a plan, the first call records the
     bound function and replays call it directly; outside one (the custom-op path that torch.compile runs), bound
     functions are kept per exact signature."""
+    if _plan.TRACING:
+        return _run_traced(op, fn, request, args)
     entry = _plan.recall(fn)
     if entry is not None:
         if entry.__class__ is ModuleType:  # not bound: the function's own slots follow in the plan
@@ -473,6 +477,40 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
                 _bound.clear()
             _bound[key] = bound
     return out
+
+
+def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str) -> tuple[str, str]:
+    """(backend, why) for ``op``'s function ``fn`` traced into a compiled graph. A named request runs as in eager.
+    Under auto: torch (Inductor's own generated kernel) where the table's ``compiled:<op>`` buckets measured it
+    faster inside a graph, or for CPU tensors; else the kernel auto runs eagerly, visible to Inductor. In interpret
+    mode only torch is traced (interpreted kernels cannot be); the other backends keep the op opaque
+    (see :func:`hkernels.functional._base.traced`)."""
+    if request != "auto":
+        return select(op, request, tensors, fn)
+    found = _bucket(f"compiled:{op}", tensors, fn) if tensors and (tensors[0].is_cuda or _interpret.enabled()) \
+        else None
+    if found is not None and found[1]["backend"] == "torch":
+        arch, bucket = found
+        return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
+                         f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
+    if found is not None and unavailable_reason(op, found[1]["backend"], tensors, fn) is None:
+        arch, bucket = found
+        return bucket["backend"], (f"auto: {bucket['backend']} measured faster inside torch.compile on {arch} "
+                                   f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
+    return select(op, request, tensors, fn)
+
+
+def _run_traced(op: str, fn: str, request: str, args: tuple[Any, ...]) -> Any:
+    """``run`` while a custom op's body is traced into a compiled graph: routed afresh (the shapes may be
+    symbolic: nothing is keyed by them), launches recorded by the backend's launcher (``_plan.tracing``)."""
+    request = request or requested(op)
+    tensors = _tensors(args)
+    backend, _ = select_compiled(op, request, tensors, fn)
+    module = registry.load(op, backend)
+    assert not isinstance(module, str)
+    if backend == "helion":
+        return _run_helion(op, fn, request, module, tensors, args, -1)[0]
+    return getattr(module, fn)(*args)
 
 
 # Bound functions for calls outside a plan, by exact signature (see run); forgotten with the routes.

@@ -94,6 +94,102 @@ if _INTERPRETED:
     _interpret.mend()  # before the first interpreted launch of either backend (Helion's launches come through here)
 
 
+def aligned(t: torch.Tensor, to: int = 16) -> bool:
+    """t's first element sits on a ``to``-byte boundary. While a graph is traced there is no address: the graph's
+    tensors are Inductor's allocations or its inputs, whose bases it keeps aligned (a misaligned input is copied),
+    so the storage offset decides."""
+    if _plan.TRACING:
+        return (t.storage_offset() * t.element_size()) % to == 0
+    return t.data_ptr() % to == 0
+
+
+def descriptors_ok() -> bool:
+    """Kernels may take TMA tensor descriptors now: not while a graph is traced, where torch's analysis of which
+    arguments a kernel writes does not see stores through a descriptor (the launch would be dropped from the
+    graph as writing nothing): the kernels' pointer variants run there."""
+    return not _plan.TRACING
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are views of one storage (a kernel writing one overwrites the other)."""
+    if _plan.TRACING:
+        return a is b or torch._C._is_alias_of(a, b)
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# Generated kernels (Helion's) recompiled with float32 scalars for a traced graph, by (kernel id, float params).
+_FLOAT32: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def float32_scalars(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """A twin of ``kernel`` (a Helion-generated JITFunction) for a traced graph, launched by Inductor's generated
+    code from a copy of its source: its body first casts the parameters given Python floats to float32 (Triton
+    types a float argument float32; Inductor's launch types it float64, which turns the kernel's arithmetic
+    float64 and breaks its typing: a loop-carried float32 sum, a dot's float32 accumulator), and the helper
+    modules it calls through (``helion_triton_helpers.x``) are called by their own names, which Inductor's copy
+    carries (it copies the jit functions and constants a kernel reads, not the modules it imports). The
+    hand-written kernels cast their float parameters themselves and call no module's helpers."""
+    names = tuple(n for n, a in zip(kernel.arg_names, args, strict=False) if type(a) is float)
+    key = (id(kernel), names)
+    twin = _FLOAT32.get(key)
+    if twin is None:
+        twin = _FLOAT32[key] = _float32_twin(kernel, names)
+    return twin
+
+
+# The modules Inductor's generated code imports under these names, in which a kernel's copy runs.
+_INDUCTOR_MODULES = frozenset({"tl", "triton", "libdevice", "triton_helpers", "tl_math", "math"})
+
+
+def _float32_twin(kernel: Any, names: tuple[str, ...]) -> Any:
+    import ast
+    import linecache
+    import re
+    import types
+
+    import triton
+
+    namespace = dict(kernel.fn.__globals__)  # the generated module's names, without redefining its kernel
+    namespace.setdefault("tl", triton.language)
+    src = kernel.src  # the function's source from its ``def``
+
+    def by_function(m: re.Match[str]) -> str:
+        module, attr = m.group(1), m.group(2)
+        if not isinstance(namespace.get(module), types.ModuleType) or module in _INDUCTOR_MODULES:
+            return m.group(0)
+        value = getattr(namespace[module], attr)
+        name = getattr(getattr(value, "fn", value), "__name__", attr)  # (a copied jit function keeps its own name)
+        if namespace.setdefault(name, value) is not value:
+            return m.group(0)  # the name means something else here: left as it is
+        return name
+
+    src = re.sub(r"\b([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", by_function, src)
+    fn = ast.parse(src).body[0]
+    assert isinstance(fn, ast.FunctionDef), src[:200]
+    first = fn.body[0]
+    lines = src.splitlines(keepends=True)
+    indent = " " * first.col_offset
+    casts = [f"{indent}{n} = tl.cast({n}, tl.float32)\n" for n in names]
+    name = f"{fn.name}_f32"
+    lines[0] = lines[0].replace(f"def {fn.name}(", f"def {name}(", 1)
+    text = "".join(lines[: first.lineno - 1] + casts + lines[first.lineno - 1:])
+    filename = f"<hkernels: {name}>"  # triton.jit reads the source back through linecache
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    exec(compile(text, filename, "exec"), namespace)  # the generated kernel's own source, with the casts
+    return triton.jit(namespace[name])
+
+
+def traced(kernel: Any, grid: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> None:
+    """``kernel[grid](*args, **meta)`` recorded into the graph being traced."""
+    from torch.library import wrap_triton
+
+    if any(type(a).__name__ == "TensorDescriptor" for a in args):  # (see descriptors_ok)
+        raise RuntimeError(f"{getattr(kernel, '__name__', kernel)} takes a TMA descriptor, which a graph cannot "
+                           "hold: its pointer variant runs there")
+
+    wrap_triton(kernel)[grid](*args, **meta)
+
+
 @contextlib.contextmanager
 def interpreted() -> Iterator[None]:
     """Around a launch in Triton's interpreter: one at a time (``INTERPRET_LOCK``), and NumPy's floating-point
@@ -111,6 +207,9 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
 
     Inside a replayed plan (``triton_fallback/_plan.py``) the compiled kernel is the one the plan recorded for
     this launch: no key is built at all."""
+    if _plan.TRACING:
+        traced(kernel, grid, args, meta)
+        return
     if _INTERPRETED:
         with interpreted():
             kernel[grid](*args, **meta)
@@ -237,7 +336,10 @@ class Bound:
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], **meta: Any) -> None:
         self.kernel, self.grid, self.meta = kernel, grid, meta
-        self.go: Any = self._first
+        self.go: Any = self._traced if _plan.TRACING else self._first
+
+    def _traced(self, *args: Any) -> None:
+        traced(self.kernel, self.grid, args, self.meta)
 
     def _first(self, *args: Any) -> None:
         if _INTERPRETED:
@@ -251,7 +353,10 @@ class Bound:
 
 def bound_launcher() -> Any:
     """A Helion ``_launcher`` for one bound Helion function (one call signature): each Triton kernel it launches is
-    compiled through :func:`launch`'s keyed path on its first launch, then launched directly."""
+    compiled through :func:`launch`'s keyed path on its first launch, then launched directly. While a graph is
+    traced: :func:`helion_launcher`, whose launches are recorded."""
+    if _plan.TRACING:
+        return helion_launcher
     gos: dict[int, Any] = {}  # by id (a JITFunction hashes slowly); the function's kernels outlive it
 
     def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
@@ -286,6 +391,10 @@ def helion_launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_w
                     **kwargs: Any) -> None:
     """Helion's ``_launcher`` hook (the generated host code calls it for each kernel launch), through
     :func:`launch`; Helion's own launcher for its extra launch features (remote copies, persistent state, ...)."""
+    if _plan.TRACING:
+        traced(float32_scalars(triton_kernel, args), grid, args, {"num_warps": num_warps, "num_stages": num_stages,
+                                                                  **kwargs})
+        return
     if kwargs:
         from helion.runtime import default_launcher
 

@@ -17,8 +17,9 @@ Torch-free and Triton-free: importable by every layer (the dispatcher, Helion's 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -52,6 +53,24 @@ class _Cursor(threading.local):
 
 
 _cursor = _Cursor()
+
+# Above 0 while a custom op's body is traced into a compiled graph (hkernels' decomposition under torch.compile,
+# ``hkernels/functional/_base.py``): every launch is then recorded as Triton's kernel higher-order op
+# (``triton_fallback/_launch.py``), which Inductor's generated code launches itself, and no plan is recorded or
+# replayed (a traced call's shapes may be symbolic).
+TRACING = 0
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Launches inside the scope are traced into the graph (``torch.library.wrap_triton``), not run."""
+    global TRACING
+    TRACING += 1
+    try:
+        yield
+    finally:
+        TRACING -= 1
+
 # False while a tool needs every decision made afresh (the tune command records what Helion launches).
 enabled = True
 

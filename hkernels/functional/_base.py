@@ -18,7 +18,8 @@ A public call ``hkernels.<op>(...)`` runs through :class:`Public`:
 
 The request is read when the op is called and carried to the backward, so ``with use_backend("triton"): y =
 op(x)`` runs the backward on Triton too, even when ``backward()`` runs after the scope has closed. Under
-``torch.compile`` the request is read when the compiled code runs (a context variable cannot be traced).
+``torch.compile`` the custom ops' bodies are traced into the graph (:func:`traced`): the request is read when the
+graph is traced.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from triton_fallback import _plan
+from triton_fallback import _interpret, _plan
 
 Tensor = torch.Tensor
 FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -96,6 +97,16 @@ def checking() -> bool:
     return value is not None and value.strip().lower() not in _OFF
 
 
+def _requested_when_traced(op: str) -> str:
+    """``dispatch.requested(op)``, read once when torch.compile traces a call, and recorded into the graph."""
+    return dispatch.requested(op)
+
+
+# What torch.compiler.assume_constant_result(fn) does (Dynamo calls fn while tracing and records its result),
+# without importing torch._dynamo with hkernels.
+_requested_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 class Public:
     """The call path of one public op: ``check(*args)`` raises on bad arguments (a property of the call's
     signature: checked once per signature); ``values(*args)``, optional, raises on values the kernels take on trust
@@ -116,7 +127,8 @@ class Public:
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
             self.check(*args)
-            return self.body("", *args)  # the custom ops read the request when the compiled code runs
+            # the request as a constant of the graph: part of what torch.compile's caches key a compiled graph by
+            return self.body(_requested_when_traced(self.op), *args)
         if self.values is not None and checking():
             self.check(*args)  # (the values' checks take well-formed arguments)
             self.values(*args)
@@ -202,7 +214,8 @@ dispatch.on_forget(_forget_plans)
 
 
 def request(op: str) -> str:
-    """What a custom-op call passes as its backend: the request now, or "" under torch.compile (read at run time)."""
+    """What a custom-op call passes as its backend: the request now, or "" under torch.compile (read when the op's
+    body is traced into the graph)."""
     return "" if torch.compiler.is_compiling() else dispatch.requested(op)
 
 
@@ -373,6 +386,98 @@ def call(opdef: Any, *args: Any) -> Any:
         how = _decide(opdef, args)
         _plan.keep(opdef, how)
     return how(*args)
+
+
+# ------------------------------------------------------------------------------------- inside torch.compile
+
+# Ops whose torch backend reads values on the host (group sizes, sequence bounds): a graph cannot trace that, so
+# where a compiled call would run them on torch their custom ops stay opaque.
+_SYNCING_TORCH = frozenset({"grouped_matmul", "moe", "attention_varlen"})
+
+
+def _op_of(name: str, args: tuple[Any, ...]) -> str:
+    """The op a custom op (``hkernels::<name>``) belongs to: the longest op name it starts with (the shared loss
+    scaling names its op in its arguments)."""
+    if name == "loss_grad_scale_":
+        return args[2]
+    return max((op for op in dispatch.ops() if name.startswith(op + "_")), key=len)
+
+
+def traced(opdef: Any) -> None:
+    """Make ``opdef`` visible to torch.compile, as ``torch.library.triton_op`` does: when AOTAutograd traces it
+    (FunctionalTensorMode), its Python body is traced in its place, so the compiled graph holds what the body
+    does: the backend kernels' launches recorded by ``torch.library.wrap_triton`` (``triton_fallback/_launch.py``),
+    which Inductor's generated code launches itself, or, on the torch backend, the reference math, which Inductor
+    generates and fuses with its neighbours. The backend is chosen when the graph is traced
+    (:func:`hkernels.dispatch.select_compiled`). The op stays opaque (its body called back at run time) under
+    ``torch.export``, where a dispatch-time choice cannot be made (no tensors), where the chosen torch backend reads
+    values on the host, and for the kernel backends in interpret mode (interpreted kernels cannot be traced) and
+    where a size is symbolic (a launch is recorded with the sizes it was traced at)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    body = opdef._init_fn
+    name = opdef._name
+
+    def decompose(mode: Any, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if any(not issubclass(t, FakeTensor) and t not in (Tensor, FunctionalTensor) for t in types):
+            return NotImplemented  # another subclass: its own handling first
+        if not custom_triton_ops_decomposition_disabled():
+            op = _op_of(name, args)
+            tensors = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, Tensor))
+            backend = args[-1] if isinstance(args[-1], str) and args[-1] else ""
+            request = backend or dispatch.requested(op)
+            try:
+                chosen = dispatch.select_compiled(op, request, tensors, name) if tensors else ("torch", "")
+            except dispatch.BackendUnavailableError:
+                chosen = ("", "")  # the body raises the error, with its reason, when it runs
+            if not ((chosen[0] == "torch" and op in _SYNCING_TORCH)
+                    or (chosen[0] != "torch" and (_interpret.interpreting() or _symbolic(tensors)))):
+                try:
+                    with mode, _plan.tracing():
+                        return body(*args, **kwargs)
+                except dispatch.BackendUnavailableError:
+                    raise  # a backend asked for by name cannot run the call: said, never worked around
+                except Exception as e:  # what the trace recorded before the failure is dead code, dropped
+                    _untraceable(name, e)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    opdef.register_torch_dispatch(FunctionalTensorMode, decompose)
+
+
+def _symbolic(tensors: tuple[Tensor, ...]) -> bool:
+    """A size or stride is symbolic (``dynamic=True``, ``mark_dynamic``, or a recompile for a new length): the
+    kernels' launches would be recorded with the sizes of the traced call, so the op stays opaque there."""
+    return any(isinstance(v, torch.SymInt) for t in tensors for v in (*t.shape, *t.stride()))
+
+
+_warned_untraceable: set[tuple[str, str]] = set()
+
+
+def _untraceable(name: str, e: Exception) -> None:
+    """One warning per (custom op, reason): the op could not be traced into the graph and is called back instead
+    (correct, at the custom-op layer's cost per call)."""
+    import logging
+    import warnings
+
+    reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    if (name, reason) not in _warned_untraceable:
+        _warned_untraceable.add((name, reason))
+        logging.getLogger("hkernels").debug("hkernels::%s could not be traced", name, exc_info=e)  # the whole chain
+        warnings.warn(f"hkernels::{name} could not be traced into the compiled graph ({reason}); it runs as an "
+                      "opaque custom op there", dispatch.HKernelsFallbackWarning, stacklevel=2)
+
+
+def trace_all() -> None:
+    """:func:`traced` for every hkernels custom op (once each)."""
+    from torch._library.custom_ops import OPDEFS
+
+    for qualname, opdef in OPDEFS.items():
+        if qualname.startswith("hkernels::") and not getattr(opdef, "_hkernels_traced", False):
+            traced(opdef)
+            opdef._hkernels_traced = True
 
 
 # -------------------------------------------------------------------------------------------------- shared shapes

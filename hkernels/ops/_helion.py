@@ -145,7 +145,8 @@ COMPILING = threading.RLock()
 
 def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
     """``kernel`` compiled for ``args`` with its shipped config: Helion's generated host function."""
-    key: tuple[Any, ...] | None = (kernel, n, _aliases(args), *[_arg_key(a) for a in args])
+    # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
+    key: tuple[Any, ...] | None = (kernel, n, _plan.TRACING > 0, _aliases(args), *[_arg_key(a) for a in args])
     try:
         fn = _compiled.get(key)
     except TypeError:  # an unhashable argument: no fast path for this call
@@ -153,10 +154,26 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
     if fn is None:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         config = config_for(kernel.name, n, device, dtype)
+        if _plan.TRACING:
+            config = _by_pointer(config)
         # Bound on detached views: Helion traces sizes back to a source, and a leaf's ``.grad`` of the same shape can
-        # be the one it finds (hl.specialize then rejects it as not an input's size).
-        with COMPILING:
-            bound = kernel.bind(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+        # be the one it finds (hl.specialize then rejects it as not an input's size). While a graph is traced the
+        # arguments are the tracer's tensors, which Helion cannot bind: it binds stand-ins of their sizes.
+        # The tracer's modes are set aside meanwhile: Helion's own tracing must not be recorded into the graph.
+        tracing = _plan.TRACING
+        with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
+            if tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
+                made: dict[int, Any] = {}
+                stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
+                                  for a in args)
+                # Bound apart from Helion's shared bindings: Helion takes a fake tensor's sizes as static, so this
+                # binding's code holds these exact sizes, while its binding cache buckets sizes (a binding made
+                # for 1024 rows would serve 8192 rows and write only the first 1024). The exact-signature key
+                # above keeps one binding per traced shape. (``_bind_isolated``: helion 1.5's binding outside its
+                # cache, which it makes itself for a call torch.compile captures.)
+                bound = kernel._bind_isolated(stand_ins)
+            else:
+                bound = kernel.bind(tuple(_detached(a) for a in args))
             per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
             fn = per_bound.get(config)
             if fn is None:
@@ -167,6 +184,56 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
                 _compiled.clear()
             _compiled[key] = fn
     return fn
+
+
+def _by_pointer(config: helion.Config) -> helion.Config:
+    """``config`` with every tensor read and written by pointer: a graph cannot hold a launch that takes TMA
+    descriptors (torch's analysis of which arguments a kernel writes does not see stores through one)."""
+    indexing = config.config.get("indexing")
+    if indexing is None:
+        return config
+    pointer = ["pointer" if i == "tensor_descriptor" else i for i in indexing] if isinstance(indexing, list) else (
+        "pointer" if indexing == "tensor_descriptor" else indexing)
+    # (the host-descriptor setting exists only beside descriptor indexing)
+    rest = {k: v for k, v in config.config.items() if k not in ("indexing", "host_tensor_descriptors")}
+    return helion.Config(**rest, indexing=pointer)
+
+
+def _outside_modes() -> Any:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _detached(a: Any) -> Any:
+    return a.detach() if isinstance(a, torch.Tensor) else a
+
+
+def _hint(size: Any) -> int:
+    """A size as an int: a traced symbolic size by its hint (the size the graph was traced at). Helion's kernels
+    take row counts as dynamic, so the kernel bound at the hint serves every count of its size class."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 2  # (unbacked: any count of two or more rows)
+    return int(size)
+
+
+_stand_ins: Any = None  # the FakeTensorMode of the stand-ins (made on first use)
+
+
+def _stand_in(a: Any) -> Any:
+    """A tensor of a's sizes, strides, dtype and device, with no storage (a fake tensor of a mode of its own, which
+    Helion binds as it binds an outer tracer's)."""
+    global _stand_ins
+    if not isinstance(a, torch.Tensor):
+        return a
+    if _stand_ins is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _stand_ins = FakeTensorMode()
+    with _stand_ins:
+        return torch.empty_strided([_hint(s) for s in a.shape], [_hint(s) for s in a.stride()], dtype=a.dtype,
+                                   device=a.device)
 
 
 def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> tuple[Any, Any]:

@@ -37,6 +37,9 @@ class _Renamed:
     def bind(self, args: tuple[Any, ...]) -> BoundKernel:
         return self.kernel.bind(args)
 
+    def _bind_isolated(self, args: tuple[Any, ...]) -> BoundKernel:  # (Helion's binding outside its cache)
+        return self.kernel._bind_isolated(args)
+
     @property
     def settings(self) -> Any:
         """The kernel's Helion settings: the tune command seeds and bounds its search through them, as for every
