@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_fallback import _launch
 from triton_fallback._common import cdiv, interpreting
 from triton_fallback._launch import launch
 
@@ -178,25 +179,27 @@ def _clip_from(u1, hi, n, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _span(cu, seq, T):
-    # (first row, length) of packed sequence seq, its bounds clamped to [0, T]
-    start = tl.minimum(tl.maximum(tl.load(cu + seq), 0), T)
-    end = tl.minimum(tl.maximum(tl.load(cu + seq + 1), start), T)
-    return start, end - start
+def _span(first, end, T):
+    # (first row, length) of a packed sequence from its bounds, clamped to [0, T]
+    start = tl.minimum(tl.maximum(first, 0), T)
+    return start, tl.minimum(tl.maximum(end, start), T) - start
 
 
 @triton.jit
-def _program(pid, n_blocks, H, S, Skv, cu_q, cu_k, REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+def _program(pid, n_blocks, H, S, Skv, bounds, REVERSE: tl.constexpr, VARLEN: tl.constexpr):
     # A program's (batch, head, block index, query rows' start and count, key rows' start and count): blocks of a
     # head are neighbours in launch order (they share K/V, or q/do, in L2); REVERSE runs the last block first.
+    # bounds: VARLEN only, the program's sequence i's (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]), read by the
+    # kernel itself: torch.compile's analysis of which arguments a kernel writes counts every pointer passed to a
+    # helper whose result addresses a store as written.
     bh = pid // n_blocks
     blk = pid % n_blocks
     if REVERSE:
         blk = n_blocks - 1 - blk
     h = bh % H
     if VARLEN:  # packed: [1, H, T, D] tensors, batch = sequence
-        q0, Sq = _span(cu_q, bh // H, S)
-        k0, Sk = _span(cu_k, bh // H, Skv)
+        q0, Sq = _span(bounds[0], bounds[1], S)
+        k0, Sk = _span(bounds[2], bounds[3], Skv)
         b = 0
     else:
         q0 = 0
@@ -270,10 +273,20 @@ def _attention_fwd_kernel(
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SCALE_NONNEG: tl.constexpr,
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
+    # float32 scalars (a compiled graph's launch types floats as float64)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_in = tl.cast(cap_in, tl.float32)
+    cap_out = tl.cast(cap_out, tl.float32)
     # One query block of one head: reads its q rows once and the K/V rows its queries can see once; writes its o
     # rows and lse once. With a right bound (causal) the last query blocks, which see the most keys, run first so
     # the short ones fill the tail of the launch.
-    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, cu_q, cu_k, RIGHT, VARLEN)
+    # VARLEN: the sequence's bounds (see _program)
+    bounds = (0, 0, 0, 0)
+    if VARLEN:
+        seq = tl.program_id(0) // n_m // Hq
+        bounds = (tl.load(cu_q + seq), tl.load(cu_q + seq + 1),
+                  tl.load(cu_k + seq), tl.load(cu_k + seq + 1))
+    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, bounds, RIGHT, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Sq:  # packed: past this sequence's end
         return
@@ -334,6 +347,7 @@ def _attention_bwd_delta_kernel(
     Hq, S, PLANE, scale,  # PLANE = B·Hq·S
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
 ):
+    scale = tl.cast(scale, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Reads BLOCK_M rows of o and do and BLOCK_M floats of lse once, writes 2·BLOCK_M floats: PAIRS, one
     # (lse, delta) pair per row ([B, Hq, S, 2]), which the dk/dv walk reads in one 8-byte load at any row (a packed
     # sequence starts anywhere); else two planes, lse's [B, Hq, S] then delta's.
@@ -454,12 +468,23 @@ def _attention_bwd_dkdv_kernel(
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr, ROWS_IN: tl.constexpr,
     DOT: tl.constexpr,
 ):
+    # float32 scalars (a compiled graph's launch types floats as float64)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    cap_in = tl.cast(cap_in, tl.float32)
+    cap_out = tl.cast(cap_out, tl.float32)
     # One key block of one kv head: reads its K/V rows once, the q/do rows of every query head of the group that
     # can see them, writes its dk, dv rows once. Key blocks of a head are neighbours in launch order (they share
     # q/do in L2); with a right bound (causal) the first blocks are seen by the most queries and run first.
     # ROWS_IN: the unmasked walks reach no row past a sequence's end (packed: they stop at its last whole block;
     # fixed length: S is a multiple of BLOCK_M), so they read lse and delta without a row mask.
-    b, hk, pid_n, q0, Sq, k0, Sk = _program(tl.program_id(0), n_n, Hk, S, Skv, cu_q, cu_k, False, VARLEN)
+    # VARLEN: the sequence's bounds (see _program)
+    bounds = (0, 0, 0, 0)
+    if VARLEN:
+        seq = tl.program_id(0) // n_n // Hk
+        bounds = (tl.load(cu_q + seq), tl.load(cu_q + seq + 1),
+                  tl.load(cu_k + seq), tl.load(cu_k + seq + 1))
+    b, hk, pid_n, q0, Sq, k0, Sk = _program(tl.program_id(0), n_n, Hk, S, Skv, bounds, False, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= Sk:  # packed: past this sequence's end
         return
@@ -571,9 +596,20 @@ def _attention_bwd_dq_kernel(
     LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
+    # float32 scalars (a compiled graph's launch types floats as float64)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
+    cap_in = tl.cast(cap_in, tl.float32)
+    cap_out = tl.cast(cap_out, tl.float32)
     # One query block of one head (the deterministic dq): reads its q, do rows once and the K/V rows its queries
     # see once, writes its dq rows once. Blocks as in the forward.
-    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, cu_q, cu_k, RIGHT, VARLEN)
+    # VARLEN: the sequence's bounds (see _program)
+    bounds = (0, 0, 0, 0)
+    if VARLEN:
+        seq = tl.program_id(0) // n_m // Hq
+        bounds = (tl.load(cu_q + seq), tl.load(cu_q + seq + 1),
+                  tl.load(cu_k + seq), tl.load(cu_k + seq + 1))
+    b, h, pid_m, q0, Sq, k0, Sk = _program(tl.program_id(0), n_m, Hq, S, Skv, bounds, RIGHT, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= Sq:
         return
@@ -626,19 +662,21 @@ def _fill_outside_kernel(
     cu, n_seq, T, W, stride_t, stride_w, value,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
+    value = tl.cast(value, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Rows before cu[0] and from cu[n_seq] on belong to no sequence, and no attention program writes them; reads
     # two bounds, writes only those rows (none in the usual call, where the sequences cover every row).
     first = tl.minimum(tl.maximum(tl.load(cu), 0), T)
     last = tl.minimum(tl.maximum(tl.load(cu + n_seq), first), T)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     outside = (rows < T) & ((rows < first) | (rows >= last))
-    if tl.max(outside.to(tl.int32), 0) == 0:
-        return
-    for w0 in range(0, W, BLOCK_W):
-        cols = w0 + tl.arange(0, BLOCK_W)
-        ptrs = t + rows.to(tl.int64)[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_w
-        fill = tl.full([BLOCK_T, BLOCK_W], value, t.dtype.element_ty)
-        tl.store(ptrs, fill, mask=outside[:, None] & (cols < W)[None, :])
+    # (no early return: torch's analysis of which arguments a kernel writes, under torch.compile, reads a kernel
+    # with one as writing every argument, cu included)
+    if tl.max(outside.to(tl.int32), 0) > 0:
+        for w0 in range(0, W, BLOCK_W):
+            cols = w0 + tl.arange(0, BLOCK_W)
+            ptrs = t + rows.to(tl.int64)[:, None] * stride_t + cols[None, :].to(tl.int64) * stride_w
+            fill = tl.full([BLOCK_T, BLOCK_W], value, t.dtype.element_ty)
+            tl.store(ptrs, fill, mask=outside[:, None] & (cols < W)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -731,7 +769,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[int, int, int
 def _tma_ok(*tensors: Tensor) -> bool:
     """TMA descriptors (Hopper and later, or the interpreter) need 16-byte aligned bases and strides; a stride of
     0 (an expanded gradient) goes through pointers. Dims of size 1 are never stepped: their stride is free."""
-    if TensorDescriptor is None:
+    if TensorDescriptor is None or not _launch.descriptors_ok():
         return False
     dev = tensors[0].device
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 9:
@@ -740,7 +778,7 @@ def _tma_ok(*tensors: Tensor) -> bool:
         return n == 1 or (st > 0 and st * size % 16 == 0)
 
     return all(
-        t.data_ptr() % 16 == 0
+        _launch.aligned(t)
         and all(aligned(n, st, t.element_size()) for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True))
         for t in tensors
     )

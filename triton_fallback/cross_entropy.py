@@ -29,6 +29,7 @@ def _cross_entropy_fwd_kernel(
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
 ):
+    smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
         x_row = logits_ptr + row64 * stride_logits

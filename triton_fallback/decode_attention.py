@@ -66,6 +66,10 @@ def _decode_attention_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
 ):
+    # float32 scalars (a compiled graph's launch types floats as float64)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    cap_in = tl.cast(cap_in, tl.float32)
+    cap_out = tl.cast(cap_out, tl.float32)
     # One chunk of one (sequence, key/value head) against up to BLOCK_M of its G·Sq query rows: reads the rows' q
     # once and the chunk's K and V rows below L_b once each; writes each row's partial (or, unsplit, its output).
     pid = tl.program_id(0)

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_fallback._common import cdiv, interpreting, num_sms
-from triton_fallback._launch import launch
+from triton_fallback._launch import aligned, descriptors_ok, launch
 from triton_fallback._routing import group_ends, tile_ends
 
 Tensor = torch.Tensor
@@ -265,10 +265,10 @@ def schedule(group_sizes: Tensor, T: int, block_m: int) -> tuple[Tensor, Tensor]
 def _tma_weight(x: Tensor, weight: Tensor) -> tuple[Tensor, bool] | None:
     """(the weight's storage as [E·N_s, K_s], whether weight is its transposed view) when x and the weight suit
     TMA (16-bit, contiguous storage, 16-byte aligned rows), else None."""
-    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or not descriptors_ok():
         return None
-    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 \
-            or weight.data_ptr() % 16:  # rows that overlap (an expanded x: stride 0) go by pointer
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or (x.stride(0) * 2) % 16 or not aligned(x) \
+            or not aligned(weight):  # rows that overlap (an expanded x: stride 0) go by pointer
         return None
     if weight.is_contiguous():
         storage, b_t = weight, False
@@ -316,8 +316,9 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
 def _tma_rows(t: Tensor, block: list[int]) -> TensorDescriptor | None:
     """A TMA descriptor over the 2-D t (16-bit, unit column stride, rows that do not overlap, 16-byte aligned base
     and rows) with the given block, else None."""
-    if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(1) != 1 or t.stride(0) < t.shape[1] \
-            or (t.stride(0) * 2) % 16 or t.data_ptr() % 16 or (t.shape[1] * 2) % 16:
+    if t.dtype not in (torch.float16, torch.bfloat16) or not descriptors_ok() or t.stride(1) != 1 \
+            or t.stride(0) < t.shape[1] \
+            or (t.stride(0) * 2) % 16 or not aligned(t) or (t.shape[1] * 2) % 16:
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
 

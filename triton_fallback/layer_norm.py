@@ -35,6 +35,7 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_STATS: tl.constexpr,  # False for a forward no backward will follow: mean and rstd are not written
 ):
+    eps = tl.cast(eps, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Resident rows: read BLOCK_M rows of x once, write y.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -63,6 +64,7 @@ def _layer_norm_fwd_looped_kernel(
     N, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Long rows, one per program. Pass 1 reads the row chunk by chunk and merges each chunk's (count, mean, M2)
     # into the running ones (Chan et al.); pass 2 reads it again and writes y.
     row = tl.program_id(0).to(tl.int64)

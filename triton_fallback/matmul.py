@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms, tile_class
-from triton_fallback._launch import Bound, launch
+from triton_fallback._launch import Bound, aligned, descriptors_ok, launch
 from triton_fallback.geglu import _normal_cdf_fast
 from triton_fallback.swiglu import _tile, launch_settings
 
@@ -316,7 +316,7 @@ def _tma_stride(stride: int, size: int, element: int) -> int | None:
 def _tma_layout(t: Tensor) -> tuple[list[int], list[int], bool] | None:
     """Shape and strides of a TMA descriptor over the [B, R, C] view ``t`` and whether it is over the transposed
     storage order [B, C, R] (a view with unit row stride); None when the view does not suit TMA."""
-    if t.dtype not in _TMA_DTYPES or t.data_ptr() % 16 != 0:
+    if t.dtype not in _TMA_DTYPES or not aligned(t) or not descriptors_ok():
         return None
     nb, r, c = t.shape
     sb, sr, sc = t.stride()

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from triton_fallback import _plan
 from triton_fallback._common import cdiv, interpreting, num_sms
 from triton_fallback._launch import launch
 from triton_fallback._routing import ROUTE_MAX, routing, tile_ends
@@ -196,7 +197,7 @@ def _moe_combine_kernel(
 def _moe_route_kernel(
     ids_ptr,  # [N] the experts chosen, flat (N = T·k)
     src_ptr, order_ptr, pos_ptr,  # [N] int32 out each (triton_fallback/_routing.py)
-    ends_ptr,  # [2(E + 1)] int32 out: ends [E + 1], then tile_ends [E + 1] (the schedule's, row tiles of BLOCK_M)
+    ends_ptr, tile_ends_ptr,  # [E + 1] int32 out each: ends, and the schedule's tile_ends (row tiles of BLOCK_M)
     N, E, K,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -227,7 +228,7 @@ def _moe_route_kernel(
     ends = tl.where(g < E, count, N)
     tl.store(ends_ptr + g, ends, mask=g <= E)
     tiles = tl.where(g <= E, (ends - below + BLOCK_M - 1) // BLOCK_M, 0)
-    tl.store(ends_ptr + E + 1 + g, tl.cumsum(tiles, 0), mask=g <= E)
+    tl.store(tile_ends_ptr + g, tl.cumsum(tiles, 0), mask=g <= E)
 
 
 def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -239,14 +240,16 @@ def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor,
         src, order, pos, ends = routing(topk_ids, experts)
         return src, order, pos, ends, tile_ends(ends, block_m)
     e1 = experts + 1
-    # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another.
+    # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another (nor may
+    # the schedule be a view of ends: in a compiled graph a kernel reading both through its tile helper counts as
+    # writing them, and views of one buffer written that way are not kept apart).
     src, order, pos = (torch.empty(n, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
-    ends = torch.empty(2 * e1, dtype=torch.int32, device=topk_ids.device)
+    ends, tiles = (torch.empty(e1, dtype=torch.int32, device=topk_ids.device) for _ in range(2))
     block = max(16, triton.next_power_of_2(n))
-    launch(_moe_route_kernel, (1,), topk_ids, src, order, pos, ends, n, experts, topk_ids.shape[1],
+    launch(_moe_route_kernel, (1,), topk_ids, src, order, pos, ends, tiles, n, experts, topk_ids.shape[1],
            BLOCK=block, CHUNK=min(block, 32), E_BLOCK=max(16, triton.next_power_of_2(e1)), BLOCK_M=block_m,
            num_warps=8)
-    return src, order, pos, ends[:e1], ends[e1:]
+    return src, order, pos, ends, tiles
 
 
 def _weight_desc(w: Tensor, rows: int, block: list[int]) -> TensorDescriptor | None:
@@ -316,6 +319,10 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     if rows == 0:
         return (x.new_zeros(x.shape) if need_x else None, torch.zeros_like(gate_up) if need_weights else None,
                 torch.zeros_like(down) if need_weights else None, torch.zeros_like(topk_weights))
+    if _plan.TRACING:
+        # The kernels read the schedule through a helper, which torch.compile's analysis of which arguments a
+        # kernel writes counts as writing it: a copy, so that the graph writes none of its inputs.
+        ends = ends.clone()
     tiles = tile_ends(ends, bm)
     dpre = torch.empty_like(pre)
     hw = torch.empty((rows, I), dtype=x.dtype, device=x.device)

@@ -35,6 +35,7 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_RSTD: tl.constexpr,  # False for a forward no backward will follow: rstd_ptr is then not written
 ):
+    eps = tl.cast(eps, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Resident rows: each program reads BLOCK_M rows of x once and writes BLOCK_M rows of y. With a residual r
     # (add_rms_norm) it also reads r, and the row normalised is s = x + r rounded to x's dtype, written to s.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,6 +65,7 @@ def _rms_norm_fwd_looped_kernel(
     r_ptr, s_ptr, stride_r, stride_s,  # add_rms_norm only
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Long rows, one per program: pass 1 reads the row for Σx², pass 2 reads it again and writes y. With a
     # residual, pass 1 reads x and r and writes s = x + r; pass 2 reads s back (one tensor instead of two).
     row = tl.program_id(0).to(tl.int64)

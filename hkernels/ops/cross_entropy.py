@@ -21,6 +21,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from triton_fallback._launch import same_memory
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -123,7 +124,7 @@ def cross_entropy_fwd(
     # one run of elements from the first row's start to the last row's end: x[target] of row r is at r·stride + t
     flat = logits.as_strided(((T - 1) * logits.stride(0) + V,), (1,))
     # a gradient in the logits' memory (the linear loss writes it over them) takes the race-free x[target]
-    xt_load = grad is None or grad.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+    xt_load = grad is None or not same_memory(grad, logits)
     args = (logits, flat, target, scale, grad, logits.stride(0), int(ignore_index), float(label_smoothing),
             label_smoothing != 0.0, xt_load)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)

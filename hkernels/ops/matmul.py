@@ -52,6 +52,7 @@ from hkernels.ops import _helion
 from hkernels.ops.swiglu import bind as bind_elementwise
 from hkernels.ops.swiglu import int64_twin
 from triton_fallback._common import interpreting, num_sms, tile_class
+from triton_fallback._launch import aligned, descriptors_ok
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -181,7 +182,7 @@ _BWD_WIDE = {_matmul_act_bwd.name: int64_twin(_matmul_act_bwd)}
 def _tma_ready(t: Tensor) -> bool:
     # What Helion needs to read or write the [B, R, C] view through a TMA descriptor: a 16-bit dtype, a 16-byte
     # aligned base, a unit stride in one of the last two dims and 16-byte multiples for the other strides.
-    if t.dtype not in _TMA_DTYPES or t.data_ptr() % 16 != 0:
+    if t.dtype not in _TMA_DTYPES or not aligned(t) or not descriptors_ok():
         return False
     e = t.element_size()
     unit = 2 if t.stride(2) == 1 or t.shape[2] == 1 else 1 if t.stride(1) == 1 or t.shape[1] == 1 else None
