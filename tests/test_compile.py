@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -182,3 +184,248 @@ def test_llm_custom_op_registration(op, fused, device):
         torch.library.opcheck(custom_op, args, test_utils=utils)
     else:
         torch.library.opcheck(custom_op, args)
+
+
+# ------------------------------------------------------------------------------- visible to Inductor, every mode
+
+ON_GPU = torch.cuda.is_available()
+# Their torch backend reads values on the host (group sizes, sequence bounds): on torch they stay opaque.
+SYNCING_TORCH = {"grouped_matmul", "moe", "attention_varlen"}
+EVERY_OP = ["rms_norm", "layer_norm", "softmax", *LLM_OPS, "decode_attention"]
+
+
+def _op_case(op: str, device: torch.device):
+    """(inputs, leaves, f) for op: f(*inputs) is a scalar of every output (forward only for decode_attention)."""
+    if op in CALLS:
+        x, w, b = _inputs(device)
+        return [x, w, b], [x, w, b] if op == "layer_norm" else [x, w], lambda m, *a: CALLS[op](m, *a).float().sum()
+    if op == "decode_attention":
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(s, generator=g).to(device) for s in ((2, 4, 1, 16), (2, 2, 12, 16), (2, 2, 12, 16)))
+        lengths = torch.tensor([5, 12], dtype=torch.int32, device=device)
+        return [q, k, v, lengths], [], lambda m, *a: m.decode_attention(*a).float().sum()
+    inputs, leaves = _llm_inputs(op, device)
+    kwargs = LLM_KWARGS.get(op, {})
+    return inputs, leaves, lambda m, *a: _llm_sum(getattr(m, op)(*a, **kwargs))
+
+
+def _compiled_step(op: str, backend: str, device: torch.device, **options):
+    """Compile op's forward (and backward) with Inductor; returns (generated code, out, grads, reference out,
+    reference grads)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    inputs, leaves, f = _op_case(op, device)
+    compiled = torch.compile(lambda *a: f(hkernels, *a), fullgraph=True, **options)
+
+    def step():
+        with hkernels.use_backend(backend):
+            out = compiled(*inputs)
+            return out, torch.autograd.grad(out, leaves) if leaves else ()
+
+    (out, grads), code = run_and_get_code(step)
+    return "\n".join(code), out, grads, *_reference(inputs, leaves, f)
+
+
+def _reference(inputs, leaves, f):
+    ref_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    ref = f(references, *ref_inputs)
+    ref_leaves = [r for r, x in zip(ref_inputs, inputs, strict=True) if any(x is leaf for leaf in leaves)]
+    return ref, torch.autograd.grad(ref, ref_leaves) if leaves else ()
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch", "auto"])
+@pytest.mark.parametrize("op", EVERY_OP)
+def test_inside_compile_nothing_calls_back(op, backend, device):
+    """Inside a graph compiled by Inductor an op's kernels are launched by Inductor's generated code (or its math
+    is Inductor's own): the graph holds no hkernels custom op to call back into Python, forward or backward."""
+    if not ON_GPU and backend != "torch":
+        pytest.skip("interpreted kernels cannot be traced into a graph: GPU only")
+    code, out, grads, ref, ref_grads = _compiled_step(op, backend, device)
+    opaque = backend == "torch" and op in SYNCING_TORCH
+    assert ("torch.ops.hkernels." in code) == opaque, (
+        f"{op} on {backend}: {'an opaque call' if opaque else 'no opaque call'} expected in the compiled code")
+    if ON_GPU and backend in ("helion", "triton"):
+        assert "triton" in code
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("op", EVERY_OP)
+def test_inside_compile_reduce_overhead(op, device):
+    """mode="reduce-overhead": the compiled forward and backward are captured in CUDA graphs and replayed."""
+    torch._dynamo.reset()
+    inputs, leaves, f = _op_case(op, device)
+    compiled = torch.compile(lambda *a: f(hkernels, *a), mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        out = compiled(*inputs)
+        grads = torch.autograd.grad(out, leaves) if leaves else ()
+    ref, ref_grads = _reference(inputs, leaves, f)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["mark_dynamic", "dynamic"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "cross_entropy"])
+def test_inside_compile_one_graph_for_every_length(op, mode, device):
+    """A dynamic row count (torch._dynamo.maybe_mark_dynamic on the token dim, or dynamic=True) compiles once for
+    every length, forward and backward, and each length matches the reference (the ops are called back there: a
+    launch traced with symbolic sizes is not recorded)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    if not ON_GPU:
+        pytest.skip("Inductor's CPU code for the kernels' graph: GPU only")  # (torch traced on CPU: see above)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    n = 64
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, generator=g) + 1).to(device).requires_grad_()
+
+    def f(m, x, r, t):
+        if op == "rms_norm":
+            return m.rms_norm(x, w).float().sum()
+        if op == "add_rms_norm":
+            y, s = m.add_rms_norm(x, r, w)
+            return y.float().sum() + 2 * s.float().sum()
+        if op == "swiglu":
+            return m.swiglu(x, r).float().sum()
+        return m.cross_entropy(x, t)
+
+    compiled = torch.compile(lambda x, r, t: f(hkernels, x, r, t), backend=counter, fullgraph=True,
+                             dynamic=True if mode == "dynamic" else None)
+    for rows in (17, 40, 129):
+        x, r = (torch.randn(rows, n, generator=g).to(device).requires_grad_() for _ in range(2))
+        t = torch.randint(0, n, (rows,), generator=g).to(device)
+        if mode == "mark_dynamic":
+            for a in (x, r, t):
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        wrt = (x, w) if op != "swiglu" else (x, r)
+        out = compiled(x, r, t)
+        grads = torch.autograd.grad(out, wrt)
+        ref = f(references, x, r, t)
+        ref_grads = torch.autograd.grad(ref, wrt)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1, f"{op}: {counter.frame_count} compiles for three lengths"
+
+
+# A fake CUDA tensor cannot be viewed or sliced in a CPU-only build of torch: what the trace check cannot reach.
+_CPU_LIMIT = "PyTorch is not linked with support for cuda devices"
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the Inductor tests above compile and run the same graphs")
+def test_every_kernel_launch_is_traced_into_the_graph():
+    """Without a GPU: every custom op the ops' forward and backward call, traced as torch.compile traces it, on the
+    triton and helion backends, with fake CUDA tensors (tests/_trace_check.py, in a process of its own: the
+    kernels must be compiled-mode Triton, not interpreted). Each must become kernel launches recorded in the graph
+    (Triton's kernel higher-order op), with no call back into the custom op, and write none of its inputs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HKERNELS_INTERPRET", "TRITON_INTERPRET")}
+    script = Path(__file__).with_name("_trace_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("TRACE_JSON ")), None)
+    assert line is not None, done.stderr[-3000:]
+    results = json.loads(line.removeprefix("TRACE_JSON "))
+    failed = {k: v for k, v in results.items() if v != "ok" and _CPU_LIMIT not in v}
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
+    ok = [k for k, v in results.items() if v == "ok"]
+    # what a CPU can check: most of them (the rest slice a fake CUDA tensor)
+    assert len(ok) >= 40, f"only {len(ok)} of {len(results)} traced here"
+    for op in ("rms_norm", "softmax", "swiglu", "rope", "add_rms_norm", "cross_entropy", "matmul", "attention",
+               "attention bf16", "matmul bf16"):  # (bf16: shapes whose eager calls take TMA descriptors)
+        for backend in ("triton", "helion"):
+            assert any(k.startswith(f"{op} ") and k.endswith(f" {backend}") for k in ok), (op, backend)
+
+
+def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):
+    """Where tracing an op's body into the graph fails, the op is called back instead (one warning), and the
+    result is still right: what the failed trace recorded is dead code."""
+    from hkernels.functional import rms_norm as module
+    from triton_fallback import _plan
+
+    real = module.rms_norm_fwd
+
+    def fails_when_traced(x, weight, eps):
+        _ = x * 2  # recorded into the graph, then dead
+        if _plan.TRACING:
+            raise RuntimeError("not traceable here")
+        return real(x, weight, eps)
+
+    monkeypatch.setattr(module, "rms_norm_fwd", fails_when_traced)
+    torch._dynamo.reset()
+    x, w, _ = _inputs(device)
+    compiled = torch.compile(lambda x, w: hkernels.rms_norm(x, w).sum(), fullgraph=True, backend="aot_eager")
+    with hkernels.use_backend("torch"), pytest.warns(hkernels.HKernelsFallbackWarning, match="not traceable here"):
+        out = compiled(x, w)
+    torch.testing.assert_close(out, references.rms_norm(x.detach(), w.detach()).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_request_is_recorded_into_the_graph(device):
+    """The backend asked for when a call is traced is a constant of the graph torch.compile caches: a graph compiled
+    under one request is never served from the cache for another."""
+    seen: list[str] = []
+
+    def capture(gm, example_inputs):
+        seen.append(gm.code)
+        return gm
+
+    x, w, _ = _inputs(device)
+    for request in ("torch", "triton"):
+        torch._dynamo.reset()
+        with hkernels.use_backend(request):
+            torch.compile(lambda x, w: hkernels.rms_norm(x, w), fullgraph=True, backend=capture)(x.detach(), w.detach())
+        assert f"'{request}'" in seen[-1], seen[-1]
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu"])
+def test_inside_compile_each_length_is_its_own_graph(op, backend, device):
+    """Static shapes (dynamic=False): a second row count of the same width recompiles, and every length's graph
+    launches its kernels for its own rows (a binding made for one length must not serve another)."""
+    torch._dynamo.reset()
+    n = 64
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(n, generator=g) + 1).to(device)
+
+    def f(m, x, r):
+        if op == "rms_norm":
+            return m.rms_norm(x, w)
+        if op == "add_rms_norm":
+            return torch.cat(m.add_rms_norm(x, r, w))
+        return m.swiglu(x, r)
+
+    compiled = torch.compile(lambda x, r: f(hkernels, x, r), fullgraph=True, dynamic=False)
+    for rows in (32, 256, 32):
+        x, r = (torch.randn(rows, n, generator=g).to(device) for _ in range(2))
+        with hkernels.use_backend(backend):
+            out = compiled(x, r)
+        torch.testing.assert_close(out, f(references, x, r), rtol=1e-4, atol=1e-4)
+
+
+def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
+    """While a graph is traced, Helion's kernels are bound on stand-ins of the traced sizes, which Helion takes
+    as static: every traced shape gets its own binding, so a launch's grid covers its own rows (Helion's binding
+    cache buckets row counts: one binding for 64 rows would otherwise serve 512 and launch for 64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hkernels.ops import rms_norm as helion_rms_norm
+    from triton_fallback import _launch, _plan
+
+    grids: list[tuple[int, ...]] = []
+    monkeypatch.setattr(_launch, "traced", lambda kernel, grid, args, meta: grids.append(tuple(grid)))
+    monkeypatch.setattr(_launch, "float32_scalars", lambda kernel, args: kernel)  # (interpreted kernels: no twin)
+    fake = FakeTensorMode()
+    for rows in (64, 512, 64):
+        with fake:
+            x, w = torch.empty(rows, 128, dtype=torch.float32), torch.empty(128, dtype=torch.float32)
+        with _plan.tracing():
+            helion_rms_norm.rms_norm_fwd(x, w, 1e-6)
+    assert grids[1][0] == 8 * grids[0][0] and grids[2] == grids[0], grids

@@ -1,0 +1,223 @@
+"""Run as a script (``tests/test_compile.py`` does, in a process of its own): every hkernels custom op that an op's
+forward and backward call, traced as torch.compile traces it, on each kernel backend, with fake CUDA tensors, so
+that a CPU-only machine checks that the kernels' launches are recorded into the graph (Triton's kernel
+higher-order op, which Inductor launches itself) and that nothing calls back into Python.
+
+No GPU is used: the CUDA tensors are FakeTensors, the device's properties are an H200's, and Triton's driver is a
+stand-in that names an sm90 target (Triton compiles each kernel to TTIR on the host, which is how torch finds which
+arguments a kernel writes). Prints one JSON line: {"op custom_op backend": "ok" or the error}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import types
+import warnings
+
+assert not os.environ.get("TRITON_INTERPRET") and not os.environ.get("HKERNELS_INTERPRET"), "needs compiled mode"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()  # (on a GPU the same check runs against the real device)
+if not ON_GPU:
+    _PROPS = types.SimpleNamespace(multi_processor_count=132, name="NVIDIA H200 (stand-in)",
+                                   total_memory=140 * 2**30, shared_memory_per_block_optin=232448, major=9, minor=0,
+                                   warp_size=32)
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    torch.cuda.get_device_properties = lambda *a: _PROPS
+    torch.cuda.current_device = lambda: 0
+
+    class _Driver:
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cuda", 0)
+
+        def get_current_device(self) -> int:
+            return 0
+
+    triton.runtime.driver.set_active(_Driver())
+
+from torch._functorch.aot_autograd import aot_export_joint_simple  # noqa: E402
+from torch._higher_order_ops import triton_kernel_wrap  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import hkernels  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_compile  # noqa: E402
+
+
+class _Record(TorchDispatchMode):
+    """The hkernels custom ops a call runs, with their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[object, tuple[object, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "hkernels":
+            self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+def _fake(a: object, mode: FakeTensorMode) -> object:
+    if not isinstance(a, torch.Tensor):
+        return a
+    with mode:  # (contiguous: a copy of a fake CUDA tensor needs a CUDA build of torch)
+        return torch.empty(a.shape, dtype=a.dtype, device="cuda")
+
+
+_CHARS = int(os.environ.get("HKERNELS_TRACE_CHARS", "300"))  # of each error reported
+
+# Inductor's generated launch types a Python float argument as float64 (torch._inductor.codegen.triton_utils
+# signature_of), where Triton's own launch types it float32: each kernel recorded into a graph is compiled to TTIR
+# a second time with its float arguments typed float64, as Inductor will compile it.
+_AS_INDUCTOR: list[str] = []  # the problems of the kernels traced since last cleared
+_generate_ttir = triton_kernel_wrap.generate_ttir
+
+
+def _ttir_both_ways(kernel, kwargs, *rest):
+    out = _generate_ttir(kernel, kwargs, *rest)
+    mangle = triton.runtime.jit.mangle_type
+    triton.runtime.jit.mangle_type = lambda arg, *a: "fp64" if isinstance(arg, float) else mangle(arg, *a)
+    try:
+        _generate_ttir(kernel, kwargs, *rest)
+    except Exception as e:
+        first = next((x for x in str(e).splitlines() if x.strip()), "")
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", kernel)  # (an Autotuner's)
+        _AS_INDUCTOR.append(f"{name} with float64 floats, as Inductor launches it: {type(e).__name__}: {first}")
+    finally:
+        triton.runtime.jit.mangle_type = mangle
+    return out
+
+
+triton_kernel_wrap.generate_ttir = _ttir_both_ways
+
+
+def _inductor_copy_problem(kernel: object) -> str | None:
+    """Inductor launches a traced kernel from a copy of its source that it writes into its own module (the kernel,
+    the jit functions it calls, the constants it reads, under Inductor's standard imports): None when every global
+    name the copied kernels read is defined there, else what is missing."""
+    import builtins
+    import dis
+
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(kernel, "fn", kernel) if not isinstance(kernel, JITFunction) else kernel  # (an Autotuner's)
+    source = user_defined_triton_kernel_transitive_closure_source_code(kernel)
+    header = ("import triton\nimport triton.language as tl\nfrom torch._inductor.runtime import triton_helpers\n"
+              "from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math\n")
+    import importlib.util
+    import tempfile
+
+    # (in a file, as Inductor writes it: triton.jit reads a function's source from its file)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(header + source)
+    spec = importlib.util.spec_from_file_location(f"inductor_copy_{kernel.fn.__name__}", f.name)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        return f"Inductor's copy does not define: {type(e).__name__}: {e}"
+    finally:
+        os.unlink(f.name)
+    namespace = vars(module)
+    missing = set()
+    for value in list(namespace.values()):
+        if isinstance(value, JITFunction) and value.fn.__globals__ is namespace:
+            for inst in dis.Bytecode(value.fn):
+                if inst.opname == "LOAD_GLOBAL" and inst.argval not in namespace and not hasattr(builtins, inst.argval):
+                    missing.add(f"{value.fn.__name__} reads {inst.argval}")
+    return f"Inductor's copy lacks globals: {sorted(missing)}" if missing else None
+
+
+def _aligned_cases() -> list[tuple[str, tuple[list[torch.Tensor], list[torch.Tensor], object]]]:
+    """16-bit calls of shapes the TMA paths take (aligned rows, whole tiles): in a graph they must run by pointer."""
+    g = torch.Generator().manual_seed(4)
+
+    def t(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
+
+    q, k, v = t(1, 4, 256, 64), t(1, 2, 256, 64), t(1, 2, 256, 64)
+    a, b = t(256, 128), t(128, 256)
+    return [
+        ("attention bf16", ([q, k, v], [q, k, v], lambda m, *x: m.attention(*x, causal=True).float().sum())),
+        ("matmul bf16", ([a, b], [a, b], lambda m, *x: m.matmul(*x).float().sum())),
+    ]
+
+
+def main() -> None:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    results: dict[str, str] = {}
+    for op, (inputs, leaves, f) in [*((op, test_compile._op_case(op, torch.device("cpu")))
+                                      for op in test_compile.EVERY_OP), *_aligned_cases()]:
+        record = _Record()
+        with record, hkernels.use_backend("torch"):
+            out = f(hkernels, *inputs)
+            if leaves:
+                torch.autograd.grad(out, leaves)
+        seen = set()
+        for func, args in record.calls:
+            if func in seen:
+                continue
+            seen.add(func)
+            for backend in ("triton", "helion"):
+                key = f"{op} {func.__name__} {backend}"
+                mode = FakeTensorMode()
+                fakes = [_fake(a, mode) for a in args]
+                fakes[-1] = backend  # every custom op takes the backend request last
+                written = [i for i, a in enumerate(func._schema.arguments)
+                           if a.alias_info is not None and a.alias_info.is_write]
+
+                def traced(*tensors: torch.Tensor, func=func, fakes=fakes, written=written) -> object:
+                    it = iter(tensors)
+                    call = [next(it) if isinstance(a, torch.Tensor) else a for a in fakes]
+                    for i in written:  # an op that writes into an argument: into a copy, returned
+                        call[i] = call[i].clone()
+                    out = func(*call)
+                    outs = out if isinstance(out, tuple) else () if out is None else (out,)
+                    return (*outs, *[call[i] for i in written])
+
+                _AS_INDUCTOR.clear()
+                try:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        gm = aot_export_joint_simple(traced, [a for a in fakes if isinstance(a, torch.Tensor)],
+                                                     trace_joint=False)
+                    code = gm.code
+                    untraced = [str(w.message) for w in caught if "could not be traced" in str(w.message)]
+                    if untraced:
+                        results[key] = untraced[0]
+                    elif "torch.ops.hkernels" in code:
+                        results[key] = "opaque: the graph calls the custom op"
+                    elif _AS_INDUCTOR:
+                        results[key] = _AS_INDUCTOR[0]
+                    elif "triton_kernel_wrapper_functional" not in code:
+                        results[key] = "no kernel launch in the graph: " + " ".join(code.split())[:600]
+                    else:
+                        indices = {int(i) for i in re.findall(r"kernel_idx = (\d+)", code)}
+                        problems = [p for p in (_inductor_copy_problem(kernel_side_table.get_kernel(i))
+                                                for i in sorted(indices)) if p]
+                        results[key] = problems[0] if problems else "ok"
+                except Exception as e:  # reported, not raised: the test lists every failure at once
+                    if os.environ.get("HKERNELS_TRACE_TRACEBACKS"):  # each failure's whole chain, to stderr
+                        import traceback
+
+                        print(f"===== {key}", *traceback.format_exception(e), sep="\n", file=sys.stderr)
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                    results[key] = f"{type(e).__name__}: {first[:_CHARS]}"
+    print("TRACE_JSON " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
