@@ -8,9 +8,10 @@ the host moves numerator and denominator together. Kernel backends run inside on
 under HKERNELS_BACKEND), not one per call.
 
 Reported per op and shape: the median µs per call of each backend, and the paired ratios: each backend against
-eager, torch.compile and Liger, and auto against the faster of helion and triton. --mode fwd_bwd times forward
-and backward calls back to back (torch.autograd.grad per call) instead of forward calls under no_grad. latency.md
-beside latency.json is the table.
+eager, torch.compile and Liger, and auto against the faster of helion and triton. ``auto_compile`` is hkernels' call
+inside torch.compile: with eager PyTorch (torch), hkernels (auto) and torch.compile, the four columns. --mode
+fwd_bwd times forward and backward calls back to back (torch.autograd.grad per call) instead of forward calls under
+no_grad. latency.md beside latency.json is the table.
 
 --gpu-time (a GPU only) times the kernels instead of the calls, for any shape: each backend's step (--mode fwd or
 fwd_bwd) captured once as a CUDA graph, then in each round every graph replayed under do_bench (L2 flushed
@@ -41,7 +42,7 @@ from hkernels import _interpret
 from hkernels.tune.cases import make_inputs
 from hkernels.tune.timing import capture_graph, time_quantiles
 
-BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "liger")
+BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "auto_compile", "liger")
 _INTERPRETED = ("interpret mode on a CPU: the kernels run in Triton's interpreter, so these times measure nothing "
                 "(a check that the command runs)")
 KERNEL_BACKENDS = ("auto", "helion", "triton")
@@ -155,14 +156,16 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
              f"{env.get('rounds')} interleaved rounds of {env.get('calls')} calls back to back · {env.get('timing')}",
              *(["", f"**{_INTERPRETED[0].upper()}{_INTERPRETED[1:]}.**"] if env.get("device") == "cpu" else []),
              "", "| op | shape | " + " | ".join(f"{b} µs" for b in backends)
-             + " | auto / eager | auto / compile | auto / Liger |",
-             "|---|---|" + "---|" * (len(backends) + 3)]
+             + " | auto / eager | auto / compile | auto / Liger | auto_compile / compile |",
+             "|---|---|" + "---|" * (len(backends) + 4)]
     for r in results:
         us = r["us_per_call"]
-        ratio = {peer: r.get(f"vs_{peer}", {}).get("auto") for peer in ("eager", "torch_compile", "liger")}
+        ratio = [r.get(f"vs_{peer}", {}).get("auto") for peer in ("eager", "torch_compile", "liger")]
+        ratio.append(r.get("vs_torch_compile", {}).get("auto_compile"))
         lines.append(f"| {r['op']} | {r['shape']} | " + " | ".join(f"{us[b]:.1f}" if b in us else "-" for b in backends)
-                     + " | " + " | ".join(f"{1 / v:.2f}" if v else "-" for v in ratio.values()) + " |")
-    lines += ["", "auto / peer: the peer's time over auto's (> 1: auto is faster).", ""]
+                     + " | " + " | ".join(f"{1 / v:.2f}" if v else "-" for v in ratio) + " |")
+    lines += ["", "auto / peer: the peer's time over auto's (> 1: auto is faster). auto_compile: hkernels' call "
+              "inside torch.compile (default mode), against torch.compile of PyTorch's own call.", ""]
     return "\n".join(lines)
 
 
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     shapes.append((m, n, 0))
         for shape in shapes:
             inputs = make_inputs(op, shape, dtype, device)
-            backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch")
+            backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch", "auto_compile")
                         or (b == "torch_compile" and op.compile) or b in op.peers]
             if args.gpu_time:
                 steps = {b: _step(op, b, inputs, args.mode, compiled) for b in backends}

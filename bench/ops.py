@@ -122,6 +122,40 @@ def _eager_add_norm(x: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     return F.rms_norm(s, (s.shape[-1],), w, 1e-6), s
 
 
+# A decoder layer's MLP half, as a model runs it (x: [M, H] the attention's output, r: the residual stream; w: the
+# norm's weight; the SwiGLU MLP's gate, up [I, H] and down [H, I]): the residual add and norm, the MLP, the second
+# residual add. Not an op: a block of ops and matmuls, to compare whole (hkernels inside torch.compile against
+# torch.compile alone, where Inductor fuses across the ops).
+
+
+def _make_block(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    def t(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
+
+    return [t(m, n), t(m, n), t(n) + 1, t(k, n, scale=n ** -0.5), t(k, n, scale=n ** -0.5), t(n, k, scale=k ** -0.5)]
+
+
+def _eager_block(x: Tensor, r: Tensor, w: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    s = x + r
+    h = F.rms_norm(s, (s.shape[-1],), w, 1e-6)
+    return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T + s
+
+
+def _hkernels_block(x: Tensor, r: Tensor, w: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    h, s = hkernels.add_rms_norm(x, r, w, 1e-6)
+    return hkernels.swiglu(h @ gate.T, h @ up.T) @ down.T + s
+
+
+def _reference_block(x: Tensor, r: Tensor, w: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    h, s = references.add_rms_norm(x, r, w, 1e-6)
+    return references.swiglu(h @ gate.T, h @ up.T) @ down.T + s
+
+
+def _block_flops(mode: str, m: int, n: int, k: int) -> float:
+    fwd = 6.0 * m * n * k  # three matmuls of 2·M·H·I
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwd_bwd": 3 * fwd}[mode]
+
+
 def _matmul_flops(mode: str, m: int, n: int, k: int) -> float:
     one = 2.0 * m * n * k
     return {"fwd": one, "bwd": 2 * one, "fwd_bwd": 3 * one}[mode]  # backward: dA = dY Bᵀ and dB = Aᵀ dY
@@ -450,6 +484,13 @@ def _bench(name: str, **fields: Any) -> OpBench:
     return OpBench(name, op.make, op.diff, op.call, **fields)
 
 
+BLOCK = OpBench(
+    "block", _make_block, (0, 1, 2, 3, 4, 5), _hkernels_block, eager=_eager_block, ref=_reference_block, dim="hidden",
+    flops_fn=_block_flops,
+    # a 1B Llama's width (H 2048, I 5632): a decode step's 16 tokens, a small step's 1024, a large one's 8192
+    shapes=lambda preset: [(16, 2048, 5632), (1024, 2048, 5632), (8192, 2048, 5632)],
+)
+
 OPS: dict[str, OpBench] = {
     "rms_norm": _bench(
         "rms_norm",
@@ -561,6 +602,7 @@ OPS: dict[str, OpBench] = {
         ref=references.decode_attention,
         dim="hidden", bytes_fn=_decode_bytes, compile=False, shapes=_decode_shapes,
     ),
+    "block": BLOCK,
 }
 for _name, _fn in LIGER.items():
     OPS[_name] = OpBench(**{**OPS[_name].__dict__, "peers": {"liger": _fn}})
@@ -603,6 +645,8 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
         return [(16, 32, 24)] if cpu else [(8192, 4096, 4096)]
     if op.name.startswith("moe"):
         return [(16, 32, 24)] if cpu else [(4096, 2048, 768)]
+    if op.name == "block":
+        return [(8, 32, 48)] if cpu else [(1024, 2048, 5632)]
     shapes = QUICK_SHAPES[device.type]
     if op.name in ("rope", "fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]
@@ -628,7 +672,8 @@ def flops(op: OpBench, mode: str, m: int, n: int, k: int) -> float | None:
 
 def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callable[..., object] | None:
     """``op``'s forward on ``backend``: hkernels' backends inside a ``use_backend`` scope per call, PyTorch eager,
-    torch.compile of eager (compiled once per op, kept in ``compiled``), or a peer (None where it lacks the op)."""
+    torch.compile of eager or of hkernels' call (``auto_compile``; each compiled once per op, kept in
+    ``compiled``), or a peer (None where it lacks the op)."""
     if backend == "auto" and not os.environ.get("HKERNELS_BACKEND"):
         return op.kernel  # the default: no scope per call (a user calling the op plainly enters none)
     if backend in ("helion", "triton", "auto"):
@@ -642,4 +687,9 @@ def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callabl
         if op.name not in compiled:
             compiled[op.name] = torch.compile(op.eager, dynamic=False)
         return compiled[op.name]
+    if backend == "auto_compile":  # hkernels (auto) inside torch.compile: what a compiled model with it runs
+        key = f"{op.name} hkernels"
+        if key not in compiled:
+            compiled[key] = torch.compile(op.kernel, dynamic=False)
+        return compiled[key]
     return op.peers.get(backend)

@@ -81,7 +81,7 @@ def _best(rows: list[Row]) -> list[str]:
     return lines
 
 
-OURS = ("helion", "triton", "auto")
+OURS = ("helion", "triton", "auto", "auto_compile")
 
 
 def compute_table(rows: list[Row]) -> list[str]:

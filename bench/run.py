@@ -7,10 +7,10 @@ and their share of the device-to-device copy bandwidth measured in the same run,
 eager and torch.compile, the extra peak memory of a call, and the largest error against a float64 reference
 (relative to the reference's largest value; a row of hkernels beyond the dtype's tolerance fails the run).
 Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion, triton and auto
-(hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), liger (Liger-Kernel, when
-importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for attention), flex
-(torch.nn.attention.flex_attention compiled, for the attention variants SDPA lacks). Writes results.csv,
-results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
+(hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), auto_compile (hkernels' call inside
+torch.compile), liger (Liger-Kernel, when importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for
+attention), flex (torch.nn.attention.flex_attention compiled, for the attention variants SDPA lacks). Writes
+results.csv, results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
 
 Without a GPU, HKERNELS_INTERPRET=1 python -m bench --quick is a check, not a measurement: the kernels run in
 Triton's interpreter on a CPU, so their times mean nothing and none are reported. It checks that every op x
@@ -37,14 +37,14 @@ import torch
 
 from bench import cli
 
-BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "flex",
-            "grouped_mm", "dense_mm")
-DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "liger", "sdpa_flash", "sdpa_cudnn", "flex",
-                    "grouped_mm", "dense_mm")
+BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
+            "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
+DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
+                    "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
 # other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; flex_attention compiled;
 # torch._grouped_mm and one dense matmul of the same flops (grouped_matmul)
 PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
-OURS = ("helion", "triton", "auto")
+OURS = ("helion", "triton", "auto", "auto_compile")
 
 
 def _parse(argv: list[str]):

@@ -4,8 +4,8 @@
 - ``hkernels`` / ``hkernels-helion`` / ``hkernels-triton``: the same model after ``hkernels.patch`` (norms, SwiGLU,
   rope, the fused linear loss), on the ``auto`` backend or one backend;
 - ``torch_compile``: the plain model under ``torch.compile``;
-- ``hkernels+compile``: the patched model under ``torch.compile`` (hkernels' ops are custom ops it traces through,
-  fusing what lies between them);
+- ``hkernels+compile``: the patched model under ``torch.compile`` (hkernels' ops are traced into its graphs: their
+  kernels launched by Inductor's generated code, fused around by Inductor);
 - ``liger``: Liger-Kernel's kernels in the same places (its RMSNorm, SiLU-mul, rope and fused linear loss), when it
   is importable (a peer, never a dependency).
 
@@ -247,6 +247,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     with _variant(name, model, _wrapper(dist_mode, device), _patch_ops(args)) as fwd:
         opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
         t0 = time.perf_counter()
+        step_times: list[float] = []  # when each timed step ended (each ends in a sync: its loss's .item())
         for i, ids in enumerate(batches):
             if i == warmup:
                 if on_gpu:
@@ -263,6 +264,8 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                 loss /= world
             losses.append(loss.item())  # a sync per step: the same for every variant
             timed += i >= warmup
+            if i >= warmup:
+                step_times.append(time.perf_counter())
             if (i + 1) % max(1, (warmup + steps) // 10) == 0 or i + 1 == warmup + steps:
                 say(f"  {name}: step {i + 1}/{warmup + steps}, loss {losses[-1]:.4f}")
             if not math.isfinite(losses[-1]):
@@ -276,6 +279,8 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     result.update(
         tokens_per_s=tokens / elapsed if on_time else None,
         step_ms=elapsed / timed * 1e3 if on_time else None,
+        # each timed step's own time: a one-off cost inside the timed steps (a late compile) stands out here
+        steps_ms=[(b - a) * 1e3 for a, b in zip([t0, *step_times], step_times, strict=False)] if on_time else None,
         peak_mib=torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None,
         last_loss=losses[-1] if losses else None,
         losses=losses,
