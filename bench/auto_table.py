@@ -16,7 +16,11 @@ buckets of its own from the forward's times alone (``"attention:attention_fwd"``
 runs the faster forward, and a training step the faster forward and the faster backward. Variants routed apart
 (``hkernels.tune.cases.ROUTE_OF``: attention with a window or a cap) get buckets of their own for each direction,
 ``"attention:attention_masked_fwd"`` and ``"attention:attention_masked_bwd"``.
-"""
+
+Inside torch.compile: where the files hold ``auto_compile`` (hkernels' call inside a compiled function) and
+``torch_compile`` (PyTorch's own call compiled) rows of one shape, the op gets ``"compiled:<op>"`` buckets: torch
+where Inductor's own kernel was more than 3% faster there (the dispatcher then traces the torch backend's math for
+Inductor to generate and fuse), ``kernel`` (the eager choice, its launches traced into the graph) elsewhere."""
 
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
     # (op, rows, n) -> {(bench op, mode): {backend: score}}; later runs win per key. Files in one folder are one run
     # (a latency --gpu-time pass per mode writes one file each): their numbers join before they replace.
     cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
+    compiled: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = {}
     for _, run in itertools.groupby(paths, key=lambda p: p.resolve().parent):  # consecutive files of one folder
         data = {"rows": [row for path in run for row in _rows_of(json.loads(path.read_text()))]}
         fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
@@ -99,6 +104,7 @@ def build(paths: list[Path]) -> dict[str, Any]:
             if len(by_backend) == 2:
                 per_cell[(op, rows, n)][(variant, mode)] = by_backend
         cells.update(per_cell)
+        compiled.update(_compiled_cells(data["rows"]))
     table: dict[str, Any] = {}
     for op in sorted({key[0] for key in cells}):
         if ":" in op:  # a variant routed apart: each direction by its own times
@@ -110,8 +116,58 @@ def build(paths: list[Path]) -> dict[str, Any]:
         fwd = _points(cells, op, "fwd") if apart else []
         if fwd:
             table[f"{op}:{op}_fwd"] = buckets(fwd, exact_n=False)
+    for op in sorted({key[0] for key in compiled}):
+        table[f"compiled:{op}"] = _compiled_buckets(
+            [(rows, n, measured) for (o, rows, n), measured in compiled.items() if o == op], op)
     return {"_about": "auto's backend per op and shape bucket, from python -m bench auto-table "
                       f"{' '.join(str(p) for p in paths)}", **table}
+
+
+# Inside a graph Inductor's own kernel must be this much faster to displace hkernels' kernel.
+COMPILED_TIE = 0.97
+_COMPILED = {"auto_compile": "kernel", "torch_compile": "torch"}
+
+
+def _compiled_cells(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]]:
+    """One run's ``auto_compile`` and ``torch_compile`` rows: (op, rows, n) -> {(bench op, mode): {"kernel" | "torch":
+    score}}, only where both were measured (a shape's whole cell: a later run replaces it)."""
+    fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
+    for row in rows:
+        if row["backend"] not in _COMPILED or row.get("error") or row["mode"] == "bwd" or row["op"] in ROUTE_OF:
+            continue
+        op = OP_OF.get(row["op"], row["op"])
+        rows_, n = dispatch_shape(row["op"], row["m"], row["n"], row.get("k", 0))
+        score = _score(row, host_bound(rows_, n, op))
+        if score:
+            fresh[(op, rows_, n, row["op"], row["mode"])][_COMPILED[row["backend"]]] = score
+    out: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
+    for (op, rows_, n, variant, mode), by in fresh.items():
+        if len(by) == 2:
+            out[(op, rows_, n)][(variant, mode)] = by
+    return out
+
+
+def _compiled_buckets(points: list[tuple[int, int, dict[tuple[str, str], dict[str, float]]]], op: str
+                      ) -> list[dict[str, Any]]:
+    """An op's compiled buckets, by ascending n, then rows (as :func:`hkernels.tune.auto.buckets` lays them out):
+    each measured shape's bucket goes to the faster of hkernels' kernel and Inductor's own, inside a graph."""
+    out = []
+    ns = sorted({n for _, n, _ in points})
+    for j, n in enumerate(ns):
+        here = sorted((p for p in points if p[1] == n), key=lambda p: p[0])
+        for i, (rows, _, measured) in enumerate(here):
+            kernel = sum(v["kernel"] for v in measured.values())
+            torch_ = sum(v["torch"] for v in measured.values())
+            unit = "µs per call" if host_bound(rows, n, op) else "ms"
+            modes = " + ".join(f"{variant} {mode}" for variant, mode in sorted(measured))
+            out.append({
+                "max_rows": rows if i + 1 < len(here) else None,
+                "max_n": n if j + 1 < len(ns) else None,
+                "backend": "torch" if torch_ < COMPILED_TIE * kernel else "kernel",
+                "measured": f"rows={rows} n={n}: hkernels {kernel:.4g}, Inductor {torch_:.4g} {unit} inside "
+                            f"torch.compile ({modes})",
+            })
+    return out
 
 
 def _points(cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]], op: str,

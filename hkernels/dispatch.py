@@ -482,8 +482,9 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
 def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str) -> tuple[str, str]:
     """(backend, why) for ``op``'s function ``fn`` traced into a compiled graph. A named request runs as in eager.
     Under auto: torch (Inductor's own generated kernel) where the table's ``compiled:<op>`` buckets measured it
-    faster inside a graph, or for CPU tensors; else the kernel auto runs eagerly, visible to Inductor. In interpret
-    mode only torch is traced (interpreted kernels cannot be); the other backends keep the op opaque
+    faster inside a graph (``python -m bench auto-table`` over ``auto_compile`` and ``torch_compile`` rows), or for
+    CPU tensors; else the kernel auto runs eagerly, its launches traced for Inductor to make. In interpret mode
+    only torch is traced (interpreted kernels cannot be); the other backends keep the op opaque
     (see :func:`hkernels.functional._base.traced`)."""
     if request != "auto":
         return select(op, request, tensors, fn)
@@ -493,10 +494,6 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
         arch, bucket = found
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
-    if found is not None and unavailable_reason(op, found[1]["backend"], tensors, fn) is None:
-        arch, bucket = found
-        return bucket["backend"], (f"auto: {bucket['backend']} measured faster inside torch.compile on {arch} "
-                                   f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
     return select(op, request, tensors, fn)
 
 

@@ -106,3 +106,15 @@ def test_auto_table_routes_windowed_and_capped_attention_apart(tmp_path):
     (bwd,) = table["attention:attention_masked_bwd"]
     assert bwd["backend"] == "triton" and "(attention_window fwd_bwd − fwd)" in bwd["measured"]
     assert "attention_window" not in table["attention"][0]["measured"]
+
+
+def test_auto_table_builds_compiled_buckets(tmp_path):
+    """bench auto-table: auto_compile and torch_compile rows of one shape give the op's compiled buckets."""
+    rows = [{"op": "rms_norm", "m": m, "n": 4096, "mode": mode, "backend": b, "ms": ms, "us_call": ms * 1e3}
+            for m, kernel, inductor in ((16384, 0.18, 0.22), (65536, 1.0, 0.5))
+            for mode in ("fwd", "fwd_bwd") for b, ms in (("auto_compile", kernel), ("torch_compile", inductor))]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    small, large = auto_table.build([tmp_path / "results.json"])["compiled:rms_norm"]
+    assert small["backend"] == "kernel" and small["max_rows"] == 16384 and "hkernels 0.36, Inductor 0.44" in (
+        small["measured"])
+    assert large["backend"] == "torch" and large["max_rows"] is None

@@ -439,3 +439,39 @@ def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
         with _plan.tracing():
             helion_rms_norm.rms_norm_fwd(x, w, 1e-6)
     assert grids[1][0] == 8 * grids[0][0] and grids[2] == grids[0], grids
+
+
+def test_auto_inside_compile_follows_the_compiled_table(device, monkeypatch, tmp_path):
+    """Under auto a compiled graph takes Inductor's own math where the table's ``compiled:<op>`` buckets measured
+    it faster inside torch.compile (rows ≤ 8 here), and hkernels' kernel elsewhere."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from hkernels import configs
+
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    arch = configs.cuda_arch(device) if device.type == "cuda" else "interpret"
+    (tmp_path / "auto").mkdir()
+    (tmp_path / "auto" / f"{arch}.json").write_text(
+        '{"compiled:rms_norm": [{"max_rows": 8, "max_n": null, "backend": "torch", "measured": "rows=8: i"},'
+        ' {"max_rows": null, "max_n": null, "backend": "kernel", "measured": "rows=64: k"}]}')
+    configs.reload()
+    try:
+        w = torch.randn(16, device=device)
+        for rows, inductor in ((4, True), (64, False)):
+            graphs: list[str] = []
+
+            def capture(gm, example_inputs, graphs=graphs):
+                graphs.append(gm.code)
+                return gm
+
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda x: hkernels.rms_norm(x, w), fullgraph=True,
+                                     backend=aot_autograd(fw_compiler=capture))
+            x = torch.randn(rows, 16, device=device)
+            torch.testing.assert_close(compiled(x), references.rms_norm(x, w), rtol=1e-4, atol=1e-4)
+            kernel = "torch.ops.hkernels" in graphs[0] or "triton_kernel_wrapper" in graphs[0]
+            assert kernel != inductor, (rows, graphs[0])
+    finally:
+        monkeypatch.undo()
+        configs.reload()
+
