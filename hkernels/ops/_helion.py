@@ -209,15 +209,6 @@ def _detached(a: Any) -> Any:
     return a.detach() if isinstance(a, torch.Tensor) else a
 
 
-def _hint(size: Any) -> int:
-    """A size as an int: a traced symbolic size by its hint (the size the graph was traced at). Helion's kernels
-    take row counts as dynamic, so the kernel bound at the hint serves every count of its size class."""
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return int(hint) if hint is not None else 2  # (unbacked: any count of two or more rows)
-    return int(size)
-
-
 _stand_ins: Any = None  # the FakeTensorMode of the stand-ins (made on first use)
 
 
@@ -232,8 +223,8 @@ def _stand_in(a: Any) -> Any:
 
         _stand_ins = FakeTensorMode()
     with _stand_ins:
-        return torch.empty_strided([_hint(s) for s in a.shape], [_hint(s) for s in a.stride()], dtype=a.dtype,
-                                   device=a.device)
+        # (static sizes only: a call with symbolic sizes stays opaque, see hkernels/functional/_base.py)
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
 
 
 def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> tuple[Any, Any]:
