@@ -20,13 +20,20 @@ The request is read when the op is called and carried to the backward, so ``with
 op(x)`` runs the backward on Triton too, even when ``backward()`` runs after the scope has closed. Under
 ``torch.compile`` the custom ops' bodies are traced into the graph (:func:`traced`): the request is read when the
 graph is traced.
+
+Under ``torch.autocast`` an op runs as the PyTorch op it stands for runs there (:class:`Autocast`, declared once in
+the op's file): its inputs cast as autocast casts that op on the device, then its body with autocast off, so no
+PyTorch op inside it (a chunk loop's matmuls, the torch backend's math) is cast a second time. The casts are
+differentiable: each gradient comes back in its own input's dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,6 +114,110 @@ def _requested_when_traced(op: str) -> str:
 _requested_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+# ------------------------------------------------------------------------------------------------ under autocast
+
+_AUTOCAST_KEYS = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU", "xpu": "AutocastXPU", "mps": "AutocastMPS",
+                  "hpu": "AutocastHPU", "xla": "AutocastXLA", "privateuseone": "AutocastPrivateUse1"}
+_SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """How an op runs under ``torch.autocast``: as the PyTorch op it stands for runs there.
+
+    ``policy``: ``"lower"``, every floating input but float64 in autocast's dtype (as matmul, linear and SDPA);
+    ``"float32"``, 16-bit inputs computed in float32 with a float32 result (as layer_norm and softmax on CUDA);
+    None, autocast changes nothing (elementwise ops, as silu and gelu). ``mirrors``: the aten ops whose autocast
+    kernels say on which device types the policy applies; on a device type where none of them has one (layer_norm
+    on the CPU) the op runs on its inputs as they are. ``run(public, args, dtype, applies)``, optional, replaces
+    the default (cast the floating arguments, then call) for an op that computes its float32 result without
+    casting its inputs (cross_entropy: a float32 copy of the logits would cost more than the loss) or promotes
+    its inputs first (add_rms_norm, as ``x + residual`` does). Whatever the policy, the op's body runs with
+    autocast off for the device."""
+
+    policy: str | None = None
+    mirrors: tuple[str, ...] = ()
+    run: Callable[..., Any] | None = None
+
+    def applies(self, device: str) -> bool:
+        """The policy applies to calls on ``device`` (a device type): one of the mirrored ops has an autocast kernel
+        there."""
+        key = (self.policy, self.mirrors, device)
+        found = _APPLIES.get(key)
+        if found is None:
+            dispatch_key = _AUTOCAST_KEYS.get(device)
+            found = _APPLIES[key] = self.policy is not None and dispatch_key is not None and any(
+                torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key) for op in self.mirrors)
+        return found
+
+    def cast(self, args: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]:
+        """``args`` with the floating tensors the policy casts in the dtype it casts them to (autocast's ``dtype``
+        for "lower", float32 for "float32"); float64 tensors and everything else as they are."""
+        if self.policy == "lower":
+            return tuple(a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                         and a.dtype != dtype else a for a in args)
+        if self.policy == "float32":
+            return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _SIXTEEN else a for a in args)
+        return args
+
+    def call(self, public: Public, device: str, args: tuple[Any, ...]) -> Any:
+        """``public(*args)`` under autocast for ``device``: cast as the policy says there, computed with autocast off
+        for the device."""
+        dtype = torch.get_autocast_dtype(device)
+        applies = self.applies(device)
+        with autocast_off(device):
+            if self.run is not None:
+                return self.run(public, args, dtype, applies)
+            return public(*(self.cast(args, dtype) if applies else args))
+
+
+_APPLIES: dict[tuple[Any, ...], bool] = {}
+
+
+def _autocast_device(args: tuple[Any, ...]) -> str | None:
+    """The device type of the call's first tensor argument, where autocast is on for it; else None."""
+    for a in args:
+        if isinstance(a, Tensor):
+            device = a.device.type
+            return device if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) else None
+    return None
+
+
+class _Off:
+    """Autocast off for one device type, in an eager call (cheaper than ``torch.autocast``'s own context manager,
+    which a compiled graph needs)."""
+
+    __slots__ = ("device", "was")
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        self.was = torch.is_autocast_enabled(self.device)
+        torch.set_autocast_enabled(self.device, False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled(self.device, self.was)
+
+
+def autocast_off(device: str) -> contextlib.AbstractContextManager[None]:
+    """Autocast off for ``device`` (a device type) inside the block."""
+    if torch.compiler.is_compiling():
+        return torch.autocast(device, enabled=False)
+    return _Off(device)
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """Autocast off for every device type it is on (a backward run inside an autocast region: the op's gradients
+    computed in the dtypes its forward ran in)."""
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_KEYS:
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                stack.enter_context(autocast_off(device))
+        yield
+
+
 class Public:
     """The call path of one public op: ``check(*args)`` raises on bad arguments (a property of the call's
     signature: checked once per signature); ``values(*args)``, optional, raises on values the kernels take on trust
@@ -114,17 +225,24 @@ class Public:
     device); ``body(request, *args)`` computes the op (calling its custom ops through :func:`call`);
     ``fast(plan, request, *args)``, optional, returns a function that does what the recorded ``plan`` does for
     calls of this signature in one step (a row op whose kernel function was bound: its forward, through a
-    :class:`Lane` when a gradient is wanted), or None."""
+    :class:`Lane` when a gradient is wanted), or None. ``autocast``: how the op runs under ``torch.autocast``
+    (:class:`Autocast`)."""
 
-    __slots__ = ("body", "check", "fast", "op", "plans", "values")
+    __slots__ = ("autocast", "body", "check", "fast", "op", "plans", "values")
 
     def __init__(self, op: str, check: Callable[..., None], body: Callable[..., Any],
-                 fast: Callable[..., Any] | None = None, values: Callable[..., None] | None = None) -> None:
+                 fast: Callable[..., Any] | None = None, values: Callable[..., None] | None = None,
+                 autocast: Autocast | None = None) -> None:
         self.op, self.check, self.body, self.fast, self.values = op, check, body, fast, values
+        self.autocast = autocast if autocast is not None else Autocast()
         self.plans: dict[Any, _plan.Plan] = {}
         _publics.append(self)
 
     def __call__(self, *args: Any) -> Any:
+        if torch._C._is_any_autocast_enabled():  # (one flag read: a call outside autocast pays nothing more)
+            device = _autocast_device(args)
+            if device is not None:
+                return self.autocast.call(self, device, args)
         if torch.compiler.is_compiling():
             self.check(*args)
             # the request as a constant of the graph: part of what torch.compile's caches key a compiled graph by
@@ -225,7 +343,13 @@ _EAGER: dict[Any, Any] = {}  # custom op -> (equivalent autograd.Function, its a
 def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None]) -> None:
     """Register ``opdef``'s autograd formula, and keep an equivalent ``autograd.Function`` for plain eager calls
     (see :func:`call`): forward(ctx, ...) style, which torch does not bind with ``inspect.signature`` per call."""
-    opdef.register_autograd(backward, setup_context=setup)
+    def backward_without_autocast(ctx: Any, *grads: Any) -> Any:
+        if torch._C._is_any_autocast_enabled():  # a backward inside an autocast region: the forward's dtypes
+            with no_autocast():
+                return backward(ctx, *grads)
+        return backward(ctx, *grads)
+
+    opdef.register_autograd(backward_without_autocast, setup_context=setup)
     impl = opdef._init_fn  # the Python body under the custom op
 
     class _Eager(torch.autograd.Function):
@@ -259,6 +383,9 @@ def _planned_backward(plans: dict[Any, _plan.Plan] | None, backward: Callable[..
     first backward of it); plainly where there is no table (the custom-op path) or a mode is active. ``fast(plan,
     ctx, *grads)``, optional, builds from a plan just recorded (grad mode off: no double backward) a function that
     does the same backward in one step, or returns None."""
+    if torch._C._is_any_autocast_enabled():  # a backward inside an autocast region: the forward's dtypes
+        with no_autocast():
+            return _planned_backward(plans, backward, ctx, grads, fast)
     if plans is None or not _plan.enabled or _modes():
         return backward(ctx, *grads)
     try:

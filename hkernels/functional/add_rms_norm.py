@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Lane,
     Public,
     Tensor,
@@ -35,7 +36,7 @@ from hkernels.functional._base import (
     zeros_if_none,
 )
 from hkernels.functional.rms_norm import reference as rms_norm_reference
-from hkernels.functional.rms_norm import rms_norm_fwd
+from hkernels.functional.rms_norm import rms_norm, rms_norm_fwd
 
 OP = "add_rms_norm"
 
@@ -181,4 +182,26 @@ def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor |
     return fast
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+# ------------------------------------------------------------------------------------------------ under autocast
+
+
+def _under_autocast(public: Public, args: tuple[Any, ...], dtype: torch.dtype, applies: bool) -> Any:
+    """As ``h = x + residual; F.rms_norm(h, weight)`` under autocast: the add promotes mixed dtypes (a 16-bit
+    branch output onto a float32 residual stream) and rounds h to them; where PyTorch's rms_norm computes in
+    float32 (CUDA) the norm's result is float32, of h as rounded."""
+    x, residual, weight, eps = args
+    if isinstance(x, Tensor) and isinstance(residual, Tensor) and x.dtype != residual.dtype \
+            and x.is_floating_point() and residual.is_floating_point():
+        common = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(common), residual.to(common)
+    if not applies or not isinstance(x, Tensor):
+        return public(x, residual, weight, eps)
+    if isinstance(weight, Tensor) and weight.dtype in (torch.float16, torch.bfloat16):
+        weight = weight.float()
+    if x.dtype in (torch.float16, torch.bfloat16):  # a 16-bit sum, normed in float32: unfused
+        h = x + residual
+        return rms_norm(h.float(), weight, eps), h
+    return public(x, residual, weight, eps)
+
+
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::rms_norm",), _under_autocast))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call, check_same, check_tensor, compute_dtype
+from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, check_same, check_tensor, compute_dtype
 
 OP = "attention"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -272,4 +272,5 @@ def forward_fn(arguments: dict[str, Any]) -> str:
 attention_masked_fwd = attention_fwd
 attention_masked_bwd = attention_bwd
 
-_CALLS = Public(OP, _check, _body)
+# Under autocast: as scaled_dot_product_attention, in autocast's dtype.
+_CALLS = Public(OP, _check, _body, autocast=Autocast("lower", ("aten::scaled_dot_product_attention",)))

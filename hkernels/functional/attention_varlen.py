@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, autograd, call, check_range
+from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, check_range
 from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
 from hkernels.functional.attention import attention_bwd as _dense_bwd
 from hkernels.functional.attention import attention_fwd as _dense_fwd
@@ -234,4 +234,5 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
     return dq, dk, dv
 
 
-_CALLS = Public(OP, _check, _body, values=_values)
+# Under autocast: as scaled_dot_product_attention, in autocast's dtype.
+_CALLS = Public(OP, _check, _body, values=_values, autocast=Autocast("lower", ("aten::scaled_dot_product_attention",)))

@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Public,
     Tensor,
     autograd,
@@ -39,8 +40,10 @@ def cross_entropy(
     sync: ``HKERNELS_CHECK=1`` raises instead). Math in float32; the loss has logits' dtype. Differentiable in
     logits: with reduction mean or sum the gradient is written by the forward kernel while the logits are read (the
     logits need not be kept), and the backward only scales it, in place, when the upstream gradient is not 1.
+    Under autocast (where PyTorch's cross_entropy computes in float32: CUDA and CPU) the loss is float32, the
+    logits read as they are (no float32 copy) and their gradient in their own dtype.
     """
-    return _CALLS(logits, target, ignore_index, reduction, label_smoothing)
+    return _CALLS(logits, target, ignore_index, reduction, label_smoothing, False)
 
 
 def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
@@ -62,22 +65,24 @@ def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_i
         raise ValueError(f"hkernels.{op}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
 
 
-def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any) -> None:
+def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any,
+           float32_loss: bool) -> None:
     check_tensor(OP, "logits", logits, (2,))
     check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
     if logits.shape[1] == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
 
 
-def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float) -> None:
+def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+            float32_loss: bool) -> None:
     check_range(OP, "target", target, 0, logits.shape[1], ignore_index)
 
 
 def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-          label_smoothing: float) -> Tensor:
+          label_smoothing: float, float32_loss: bool) -> Tensor:
     fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
     loss, _ = call(_fwd, logits, target.to(torch.int64), ignore_index, float(label_smoothing), reduction, fused,
-                   request)
+                   float32_loss, request)
     return loss
 
 
@@ -104,13 +109,18 @@ def reduce(loss: Tensor, count: Tensor, reduction: str, dtype: torch.dtype) -> T
     return loss.to(dtype)
 
 
-def loss_like(logits: Tensor, t: int, reduction: str) -> Tensor:
-    return logits.new_empty(() if reduction != "none" else (t,))
+def loss_like(logits: Tensor, t: int, reduction: str, dtype: torch.dtype | None = None) -> Tensor:
+    return logits.new_empty(() if reduction != "none" else (t,), dtype=dtype)
+
+
+def loss_dtype(logits: Tensor, float32_loss: bool) -> torch.dtype:
+    """The loss's dtype: the logits' own, or at least float32 (under autocast: PyTorch's loss there)."""
+    return compute_dtype(logits.dtype) if float32_loss else logits.dtype
 
 
 @torch.library.custom_op("hkernels::cross_entropy_fwd", mutates_args=())
 def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-         backend: str) -> tuple[Tensor, Tensor]:
+         float32_loss: bool, backend: str) -> tuple[Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction)
     # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
     # logits' empty_like would not have it).
@@ -120,14 +130,15 @@ def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: flo
     else:
         loss = dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, scale, ignore_index,
                             label_smoothing, grad)
-    return reduce(loss, count, reduction, logits.dtype), grad if grad is not None else placeholder(logits)
+    loss = reduce(loss, count, reduction, loss_dtype(logits, float32_loss))
+    return loss, grad if grad is not None else placeholder(logits)
 
 
 @_fwd.register_fake
 def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-      backend: str) -> tuple[Tensor, Tensor]:
+      float32_loss: bool, backend: str) -> tuple[Tensor, Tensor]:
     grad = logits.new_empty(logits.shape) if fused_grad else placeholder(logits)
-    return loss_like(logits, logits.shape[0], reduction), grad
+    return loss_like(logits, logits.shape[0], reduction, loss_dtype(logits, float32_loss)), grad
 
 
 @torch.library.custom_op("hkernels::cross_entropy_grad", mutates_args=())
@@ -162,7 +173,7 @@ def _(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    logits, target, ignore_index, label_smoothing, _reduction, fused_grad, backend = inputs
+    logits, target, ignore_index, label_smoothing, _reduction, fused_grad, _float32_loss, backend = inputs
     ctx.fused, ctx.backend = fused_grad, backend
     ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
     # The fused path keeps only the gradient; the logits can be freed once the loss is known.
@@ -173,7 +184,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> 
 
 def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 7
+        return (None,) * 8
     if ctx.fused:
         (grad,) = ctx.saved_tensors
         call(loss_grad_scale_, grad, dloss, OP, ctx.backend)
@@ -181,7 +192,7 @@ def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None) -> tuple[Te
         logits, target = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.backend)
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -233,4 +244,14 @@ def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
     return grad.copy_(grad.to(ct) * dloss.to(ct)[:, None])
 
 
-_CALLS = Public(OP, _check, _body, values=_values)
+# ------------------------------------------------------------------------------------------------ under autocast
+
+
+def _under_autocast(public: Public, args: tuple[Any, ...], dtype: torch.dtype, applies: bool) -> Tensor:
+    """As F.cross_entropy under autocast where it computes in float32 (its log_softmax on CUDA, the loss itself on
+    the CPU): a float32 loss of the logits as they are (the kernels compute in float32 whatever they read)."""
+    return public(*args[:-1], args[-1] or applies)
+
+
+_CALLS = Public(OP, _check, _body, values=_values, autocast=Autocast(
+    "float32", ("aten::cross_entropy_loss", "aten::log_softmax.int"), _under_autocast))

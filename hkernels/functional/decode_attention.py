@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Public, Tensor, bound, call, check_range, compute_dtype, wants_grad
+from hkernels.functional._base import Autocast, Public, Tensor, bound, call, check_range, compute_dtype, wants_grad
 from hkernels.functional.attention import check_qkv, softcap_value, window_bounds
 
 OP = "decode_attention"
@@ -164,4 +164,6 @@ def _fast(plan: Any, request: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return lambda q, k_cache, v_cache, cache_seqlens, *_: run(q, k_cache, v_cache, cache_seqlens, s, left, cap)
 
 
-_CALLS = Public(OP, _check, _body, _fast, values=_values)
+# Under autocast: as scaled_dot_product_attention, in autocast's dtype.
+_CALLS = Public(OP, _check, _body, _fast, values=_values,
+                autocast=Autocast("lower", ("aten::scaled_dot_product_attention",)))

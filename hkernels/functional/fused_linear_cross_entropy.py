@@ -15,6 +15,7 @@ import torch
 from hkernels import dispatch
 from hkernels.functional import cross_entropy as _cross_entropy
 from hkernels.functional._base import (
+    Autocast,
     Public,
     Tensor,
     autograd,
@@ -56,7 +57,9 @@ def fused_linear_cross_entropy(
     and bias — computed during the forward when gradients are needed (reduction mean or sum; the backward then
     only scales them), or recomputed chunk by chunk in the backward (reduction none). Extra memory: the gradients
     plus one chunk of logits. The loss is float32 (float64 for float64 input), as Hugging Face's and Liger's
-    losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias.
+    losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias. Under autocast
+    it behaves as ``cross_entropy(linear(hidden, weight, bias), target)`` does: the matmuls in autocast's dtype, a
+    float32 loss, the gradients in the parameters' own dtypes.
     """
     return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing)
 
@@ -188,4 +191,6 @@ def reference(
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(_cross_entropy)
 
 
-_CALLS = Public(OP, _check, _body, values=_values)
+# Under autocast: as cross_entropy(linear(hidden, weight, bias)): the matmuls in autocast's dtype, the loss
+# float32 (as it always is), each gradient in its own input's dtype.
+_CALLS = Public(OP, _check, _body, values=_values, autocast=Autocast("lower", ("aten::linear",)))

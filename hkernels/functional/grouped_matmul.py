@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Public,
     Tensor,
     autograd,
@@ -166,4 +167,5 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     return (dx.to(x.dtype) if dx is not None else None), (dw.to(weight.dtype) if dw is not None else None)
 
 
-_CALLS = Public(OP, _check, _body, values=_values)
+# Under autocast: as each group's matmul, in autocast's dtype.
+_CALLS = Public(OP, _check, _body, values=_values, autocast=Autocast("lower", ("aten::mm",)))

@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Lane,
     Public,
     Tensor,
@@ -191,4 +192,5 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tenso
     return lambda x, weight, bias, eps: run(x.view(rows_of), weight, bias, eps).view(shape)
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+# Under autocast: as F.layer_norm (float32 where PyTorch computes it in float32: CUDA).
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::layer_norm",)))

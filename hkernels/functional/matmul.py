@@ -14,6 +14,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Public,
     Tensor,
     autograd,
@@ -194,4 +195,5 @@ def _fast(plan: Any, request: str, a: Tensor, b: Tensor, bias: Tensor | None, ac
     return lambda a, b, bias, activation: run(a, b, bias, act, False)[0]
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+# Under autocast: as torch.matmul / addmm, in autocast's dtype; the activation after it.
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("lower", ("aten::matmul", "aten::addmm")))

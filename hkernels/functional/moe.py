@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Public,
     Tensor,
     autograd,
@@ -255,4 +256,5 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, to
             dd.to(down_proj.dtype) if need_weights else None, dtw)
 
 
-_CALLS = Public(OP, _check, _body, values=_values)
+# Under autocast: as its experts' matmuls (and Hugging Face's eager experts), every input in autocast's dtype.
+_CALLS = Public(OP, _check, _body, values=_values, autocast=Autocast("lower", ("aten::mm",)))

@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Lane,
     Public,
     Tensor,
@@ -165,4 +166,5 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
     return lambda x, weight, eps: run(x.view(rows_of), weight, eps).view(shape)
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+# Under autocast: as F.rms_norm (float32 where PyTorch computes it in float32: CUDA).
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::rms_norm",)))

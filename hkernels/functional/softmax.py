@@ -12,6 +12,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    Autocast,
     Lane,
     Public,
     Tensor,
@@ -156,4 +157,5 @@ def _fast(plan: Any, request: str, x: Tensor, dim: int) -> Any:
     return lambda x, dim: run(x.view(rows_of)).view(shape)
 
 
-_CALLS = Public(OP, _check, _body, _fast)
+# Under autocast: as torch.softmax (a float32 result where PyTorch gives one: CUDA).
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::softmax.int",)))
