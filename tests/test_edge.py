@@ -487,3 +487,45 @@ def test_attention_head_dim_256_runs_on_triton(op, device, monkeypatch):
     ref = getattr(references, op)(*(a.detach().double() if a.is_floating_point() else a for a in args), **kwargs)
     torch.testing.assert_close(o.double(), ref, atol=1e-4, rtol=1e-4)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+def test_layer_norm_parameter_gradients_sum_many_rows_accurately(backend, device):
+    """dw and db in float32 over 1536 rows whose mean is far from zero: within twice the error of PyTorch's own
+    float32 computation (each column's sum over the rows is not one long serial chain)."""
+    g = torch.Generator().manual_seed(0)
+    M, N = 3 * 512, 128
+    x = (torch.randn(M, N, generator=g) * 2 + 3).to(device)
+    w, b = ((torch.randn(N, generator=g) * 0.5 + s).to(device) for s in (1.0, 0.0))
+    dy = torch.randn(M, N, generator=g).to(device)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    references.layer_norm(x64, w64, b64, 1e-5).backward(dy.double())
+    xt, wt, bt = (t.clone().requires_grad_() for t in (x, w, b))
+    references.layer_norm(xt, wt, bt, 1e-5).backward(dy)  # PyTorch's own float32 error
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    with hkernels.use_backend(backend):
+        hkernels.layer_norm(xs, ws, bs, 1e-5).backward(dy)
+    for name, got, base, want in (("dw", ws.grad, wt.grad, w64.grad), ("db", bs.grad, bt.grad, b64.grad)):
+        err = (got.double() - want).abs().max().item()
+        base_err = (base.double() - want).abs().max().item()
+        assert err <= 2 * base_err, f"{name}: max error {err:.3g}, PyTorch's float32 {base_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize(("S", "options"), [(1, {}), (9, {"causal": True, "window": (0, None)}),
+                                            (9, {"causal": True, "window": (0, 0), "softcap": 5.0})],
+                         ids=["one_token", "self_only", "self_only_softcap"])
+def test_attention_gradients_are_exactly_zero_where_each_query_keeps_one_key(backend, S, options, dtype, device):
+    """A one-hot softmax (each query sees one key) has dq = dk = 0 in exact arithmetic: dS = P ∘ (dP − δ) with
+    δ = rowsum(dO ∘ O) = dP of that key. The kernels compute δ with the same dot as dP, so the cancellation is
+    exact: not rounding noise, which a relative check of a zero gradient cannot tell from a wrong one. dv = dO."""
+    g = torch.Generator().manual_seed(S)
+    q, k, v, do = (torch.randn(2, 4, S, 64, generator=g).to(device=device, dtype=dtype) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with hkernels.use_backend(backend):
+        o = hkernels.attention(*leaves, **options)
+        dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    torch.testing.assert_close(o, v, rtol=0, atol=0)
+    assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0, (dq.abs().max(), dk.abs().max())
+    torch.testing.assert_close(dv, do, rtol=0, atol=0)

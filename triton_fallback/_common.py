@@ -175,8 +175,9 @@ def persistent_bwd_settings(n: int, m: int) -> RowSettings:
     spill registers here on sm90), 16 warps, 3 stages, one program per SM. See bench/results/h200/README.md.
     """
     block_n = next_pow2(n)
-    if interpreting():
-        return RowSettings(True, min(next_pow2(m), max(1, 65536 // block_n)), block_n, 4)
+    if interpreting():  # the rows a step takes as on the GPU: a step's column sums over many more rows would be one
+        # long serial chain in the interpreter (NumPy adds row after row), several times less accurate
+        return RowSettings(True, min(next_pow2(m), max(1, 4096 // block_n)), block_n, 4)
     if block_n >= 8192:
         return RowSettings(True, 1, block_n, 16, num_stages=3, programs_per_sm=1)
     block_m = min(next_pow2(m), max(1, 4096 // block_n))

@@ -174,7 +174,7 @@ def _attention_bwd_dq(
         gi = tile_g.begin
         qi = q[bi, hi, gi, tile_m, :]
         doi = do[bi, hi, gi, tile_m, :]
-        di = torch.sum(doi.to(torch.float32) * o[bi, hi, gi, tile_m, :].to(torch.float32), -1)
+        di = _delta(doi, o[bi, hi, gi, tile_m, :], tile_m.index)
         delta[bi, hi, gi, tile_m] = di
         lse2 = lse[bi, hi, gi, tile_m] * LOG2E
         acc = hl.zeros([tile_m, d], dtype=torch.float32)
@@ -305,6 +305,14 @@ def _fwd_block(qi: Tensor, kj: Tensor, vj: Tensor, m_i: Tensor, l_i: Tensor, acc
     alpha = torch.exp2(torch.where(dm == dm, dm, float("-inf")))
     acc = hl.dot(p.to(vj.dtype), vj, acc=acc * alpha.unsqueeze(1))
     return m_new, l_i * alpha + row_sum, acc
+
+
+def _delta(doi: Tensor, oi: Tensor, index: Tensor) -> Tensor:
+    # δ = rowsum(do ∘ o), as the diagonal of do·oᵀ: the very dot that gives dP = do·vᵀ, so where a query keeps one
+    # key (o = v of that key) δ equals that key's dP bit for bit and dS = P ∘ (dP − δ) is exactly 0, as in exact
+    # arithmetic (a row sum adds the same products in another order and leaves rounding noise in dq and dk).
+    both = hl.dot(doi, oi.to(doi.dtype).T, out_dtype=torch.float32)
+    return torch.sum(torch.where(index.unsqueeze(1) == index.unsqueeze(0), both, 0.0), -1)
 
 
 def _dq_block(qi: Tensor, doi: Tensor, kj: Tensor, vj: Tensor, lse2: Tensor, di: Tensor, acc: Tensor,
@@ -482,7 +490,7 @@ def _attention_masked_bwd_dq(
             qi = hl.load(q, [bi, hi, gi, rows, slice(None)], extra_mask=in_seq[:, None])
             doi = hl.load(do, [bi, hi, gi, rows, slice(None)], extra_mask=in_seq[:, None])
             oi = hl.load(o, [bi, hi, gi, rows, slice(None)], extra_mask=in_seq[:, None])
-            di = torch.sum(doi.to(torch.float32) * oi.to(torch.float32), -1)
+            di = _delta(doi, oi, rows)
             hl.store(delta, [bi, hi, gi, rows], di, extra_mask=in_seq)
             lse2 = hl.load(lse, [bi, hi, gi, rows], extra_mask=in_seq) * LOG2E
             acc = hl.zeros([tile_m, d], dtype=torch.float32)
