@@ -4,9 +4,10 @@ The one reader of the variable (``hkernels._interpret.enabled()`` asks :func:`re
 between compiling and interpreting when it decorates a function: Triton's own ``triton.language`` helpers when
 ``triton`` is imported, each kernel when its module is imported. So the mode is fixed when this module is first
 imported (``import triton_fallback``, which ``import hkernels`` does): in interpret mode it sets
-``TRITON_INTERPRET=1`` for the process then, and :func:`interpreting` gives that decision from then on. A process
-that asks for interpret mode later, or that imported ``triton`` before asking, cannot interpret its kernels:
-:func:`problem` says why, for the caller to raise.
+``TRITON_INTERPRET=1`` for the process then, and :func:`interpreting` gives that decision from then on. Where
+``triton`` was imported first (by transformers, trl or helion), the functions it decorated then are made
+interpreted at that moment. A process that asks for interpret mode only after this module was imported cannot
+interpret its kernels: :func:`problem` says why, for the caller to raise.
 
 The interpreter differs from a GPU in two places that change results, both mended by :func:`mend` (interpret mode
 only, before the first interpreted launch):
@@ -36,13 +37,46 @@ def requested() -> bool:
     return env_true("HKERNELS_INTERPRET")
 
 
+def _interpret_imported_triton() -> bool:
+    """Interpret mode when ``triton`` was imported first (by transformers, trl, torch's inductor): the
+    ``@triton.jit`` functions already decorated (Triton's own ``tl.sum``, ``tl.cdiv`` and their helpers, and any
+    other module's) are compiled-mode functions, which an interpreted kernel cannot call. Each is replaced, in
+    every loaded module and as a method of ``tl.tensor``, by its interpreted twin (the same Python function), as if
+    it had been decorated with ``TRITON_INTERPRET=1``. True when done."""
+    try:
+        from triton.language import core
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except Exception:  # a triton without these (another release): the caller reports the mode cannot be had
+        return False
+    made: dict[int, Any] = {}
+
+    def interpreted(f: Any) -> Any:
+        twin = made.get(id(f))
+        if twin is None:
+            twin = made[id(f)] = InterpretedFunction(f.fn)
+        return twin
+
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name, value in list(names.items()):
+            if isinstance(value, JITFunction):
+                names[name] = interpreted(value)
+    for name, value in list(vars(core.tensor).items()):
+        if isinstance(value, JITFunction):
+            setattr(core.tensor, name, interpreted(value))
+    return True
+
+
 # What this process was at import, which decides how its kernels are decorated.
 _ASKED_AT_IMPORT = requested()
-# triton imported before interpret mode was set up: its own jit helpers are compiled-mode functions, which an
-# interpreted kernel cannot call.
 _TRITON_BEFORE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "") != "1"
 if _ASKED_AT_IMPORT:
     os.environ["TRITON_INTERPRET"] = "1"
+    if _TRITON_BEFORE and _interpret_imported_triton():
+        _TRITON_BEFORE = False  # triton imported first, its jit functions made interpreted: nothing stands in the way
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
@@ -59,14 +93,15 @@ def problem() -> str | None:
     if not _ASKED_AT_IMPORT:
         what = "HKERNELS_INTERPRET=1 was set after hkernels (or triton_fallback) was imported"
     elif _TRITON_BEFORE:
-        what = "triton was imported before HKERNELS_INTERPRET=1 took effect"
+        what = ("triton was imported before HKERNELS_INTERPRET=1 took effect, and its already-decorated functions "
+                "could not be made interpreted")
     else:
         return None
     return (
         f"{what}: Triton decides between compiling and interpreting a kernel when it is imported, so this "
-        "process's kernels cannot run in the interpreter. Set HKERNELS_INTERPRET=1 in the environment before "
-        "importing hkernels and triton (e.g. before starting Python), or unset it to run CPU tensors on the "
-        "torch backend"
+        "process's kernels cannot run in the interpreter. Set TRITON_INTERPRET=1 as well as HKERNELS_INTERPRET=1 "
+        "in the environment before starting Python (then every Triton function is decorated for the interpreter "
+        "whoever imports triton first), or unset HKERNELS_INTERPRET to run CPU tensors on the torch backend"
     )
 
 
