@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "first-call": ("bench.first_call", "how long the first call of each op takes in a fresh process (compiling)"),
     "auto-table": ("bench.auto_table", "the auto backend's table from measured results files"),
     "profile-train": ("bench.profile_train", "where a training step spends its time, eager against hkernels"),
+    "autocast": ("bench.autocast", "each op under torch.autocast against the same op on 16-bit inputs, both times"),
 }
 
 

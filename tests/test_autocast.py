@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import hkernels
 from hkernels import references
+from tests.conftest import FULL
 from tests.specs import BACKENDS, CASES_LLM, ON_GPU, Case, _randn, cast_case, max_error
 from tests.test_llm_ops import _leaves, _outputs
 from triton_fallback import _chunked
@@ -123,9 +124,16 @@ def _skip_refused(case: Case, backend: str) -> None:
         pytest.skip(f"{backend} refuses this case (a clear error, tested apart)")
 
 
-@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=DTYPE_IDS)
+# bfloat16 for every case; float16 for a few in the CPU's fast tier, for every case with HKERNELS_TEST_FULL=1 or on
+# a GPU.
+_FLOAT16 = {"rms_norm-odd", "cross_entropy-odd_v", "fused_linear_cross_entropy-odd", "matmul-bias_relu",
+            "attention-causal_odd", "moe-drawn"}
+_MATRIX = [pytest.param(case, dtype, id=f"{case.id}-{DTYPE_IDS(dtype)}") for case in CASES for dtype in AUTOCAST_DTYPES
+           if dtype == torch.bfloat16 or FULL or case.id in _FLOAT16]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(("case", "dtype"), _MATRIX)
 def test_op_under_autocast(case, backend, dtype, device, monkeypatch):
     """Result dtypes as PyTorch's call under the same autocast, gradients in float32, values within tolerance of
     the float64 truth of the call on the inputs as autocast casts them (the backward run outside autocast)."""

@@ -582,3 +582,44 @@ def test_hf_kernelized_model_trains_under_torch_compile(device):
     finally:
         unpatch(model)
     assert hub.kernelize is hkernels.kernelize
+
+
+def _train_under_autocast(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype | None,
+                          steps: int = 3) -> list[float]:
+    """``steps`` AdamW steps of float32 parameters, each forward (and the loss) under autocast to ``dtype`` (None:
+    plain float32); the backward and the step outside it, as mixed-precision training does."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(ids.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=labels).loss
+        assert loss.dtype == torch.float32
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_hf_patched_llama_trains_under_autocast(backend, dtype, device):
+    """A patched tiny Llama (float32 parameters) trained three steps with its forward under autocast gives the
+    unpatched model's losses under the same autocast, within twice what autocast itself moves the unpatched
+    model's losses from float32 training (the suite's rule: a small multiple of PyTorch's own error in that
+    dtype), and at least a bf16 ulp of the loss."""
+    model, ids = _tiny("llama", device)
+    plain, plain32 = copy.deepcopy(model), copy.deepcopy(model)
+    labels = ids.clone()
+    labels[1, :2] = -100
+    want = _train_under_autocast(plain, ids, labels, dtype)
+    exact = _train_under_autocast(plain32, ids, labels, None)
+    hkernels.patch(model)
+    try:
+        with hkernels.use_backend(backend):
+            got = _train_under_autocast(model, ids, labels, dtype)
+    finally:
+        unpatch(model)
+    for step, (g, w, e) in enumerate(zip(got, want, exact, strict=True)):
+        allowed = max(2 * abs(w - e), 2 * torch.finfo(torch.bfloat16).eps * abs(w))
+        assert abs(g - w) <= allowed, f"step {step}: patched {g:.6f}, unpatched {w:.6f} (float32 {e:.6f})"
