@@ -350,10 +350,11 @@ def _attention_bwd_delta_kernel(
     scale = tl.cast(scale, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     # Reads BLOCK_M rows of o and do and BLOCK_M floats of lse once, writes 2·BLOCK_M floats: PAIRS, one
     # (lse, delta) pair per row ([B, Hq, S, 2]), which the dk/dv walk reads in one 8-byte load at any row (a packed
-    # sequence starts anywhere); else two planes, lse's [B, Hq, S] then delta's. delta is the diagonal of do·oᵀ,
-    # multiplied by the walks' own dot: where a query keeps one key (o = v of that key) delta equals that key's
-    # dp = do·v bit for bit, and ds = p·(dp − delta) is exactly 0, as it is in exact arithmetic (a row sum would
-    # add the same products in another order, leaving rounding noise in dq and dk).
+    # sequence starts anywhere); else two planes, lse's [B, Hq, S] then delta's. With float32 dots (DOT "ieee",
+    # and the interpreter's "upcast") delta is the diagonal of do·oᵀ, multiplied by the walks' own dot: where a
+    # query keeps one key (o = v of that key) delta equals that key's dp = do·v bit for bit, and ds = p·(dp −
+    # delta) is exactly 0, as in exact arithmetic (a row sum adds the same products in another order and leaves
+    # rounding noise in dq and dk, above float32's tolerance for a zero); 16-bit tensor-core dots keep the row sum.
     pid = tl.program_id(0)
     n_m = tl.cdiv(S, BLOCK_M)
     bh = pid // n_m
@@ -362,9 +363,12 @@ def _attention_bwd_delta_kernel(
     h = bh % Hq
     o_tile = _load_tile(o, b, h, m0, S, stride_ob, stride_oh, stride_os, BLOCK_M, HEAD_DIM, False, False)
     do_tile = _load_tile(do, b, h, m0, S, stride_db, stride_dh, stride_ds, BLOCK_M, HEAD_DIM, False, False)
-    both = _dot(do_tile, tl.trans(o_tile.to(do_tile.dtype)), None, DOT)  # [BLOCK_M, BLOCK_M]: its diagonal
-    diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
-    delta = tl.sum(tl.where(diagonal, both, 0.0), 1) * scale
+    if DOT == "native":
+        delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * scale
+    else:
+        both = _dot(do_tile, tl.trans(o_tile), None, DOT)  # [BLOCK_M, BLOCK_M]: its diagonal
+        diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+        delta = tl.sum(tl.where(diagonal, both, 0.0), 1) * scale
     rows = m0 + tl.arange(0, BLOCK_M)
     row_off = bh.to(tl.int64) * S + rows
     lse2 = tl.load(lse_ptr + row_off, mask=rows < S, other=0.0) * 1.4426950408889634
@@ -867,12 +871,12 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
     n_seq = B if cu is None else cu[0].shape[0] - 1
     ld = torch.empty((B, Hq, S, 2), dtype=torch.float32, device=q.device)
     cu_q, cu_k = cu if cu is not None else (ld, ld)  # (unread without VARLEN)
-    block = 64  # rows per delta program: its [64, 64] float32 do·oᵀ tile stays in registers
+    dot = _dot_mode(q.dtype)
+    block = 128 if dot == "native" and not interpreting() else 64  # rows per delta program (float32 do·oᵀ: 64²)
     launch(_attention_bwd_delta_kernel, (B * Hq * cdiv(S, block),),
         o, do, lse, ld, *o.stride()[:3], *do.stride()[:3], Hq, S, B * Hq * S, scale,
-        HEAD_DIM=D, BLOCK_M=block, PAIRS=not m.SOFTCAP, DOT=_dot_mode(q.dtype), num_warps=4,
+        HEAD_DIM=D, BLOCK_M=block, PAIRS=not m.SOFTCAP, DOT=dot, num_warps=4,
     )
-    dot = _dot_mode(q.dtype)
     s = attention_settings(D, q.dtype, m.RIGHT, "dkdv")
     tma = s.tma and _tma_ok(q, k, v, do, dk, dv)
     dq32 = torch.zeros((B, Hq, S, D), dtype=torch.float32, device=q.device) if s.dq_atomic else ld

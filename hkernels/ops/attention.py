@@ -308,10 +308,14 @@ def _fwd_block(qi: Tensor, kj: Tensor, vj: Tensor, m_i: Tensor, l_i: Tensor, acc
 
 
 def _delta(doi: Tensor, oi: Tensor, index: Tensor) -> Tensor:
-    # δ = rowsum(do ∘ o), as the diagonal of do·oᵀ: the very dot that gives dP = do·vᵀ, so where a query keeps one
-    # key (o = v of that key) δ equals that key's dP bit for bit and dS = P ∘ (dP − δ) is exactly 0, as in exact
-    # arithmetic (a row sum adds the same products in another order and leaves rounding noise in dq and dk).
-    both = hl.dot(doi, oi.to(doi.dtype).T, out_dtype=torch.float32)
+    # δ = rowsum(do ∘ o). In float32, as the diagonal of do·oᵀ: the very dot that gives dP = do·vᵀ, so where a
+    # query keeps one key (o = v of that key) δ equals that key's dP bit for bit and dS = P ∘ (dP − δ) is exactly
+    # 0, as in exact arithmetic (a row sum adds the same products in another order and leaves rounding noise in dq
+    # and dk, above float32's tolerance for a zero). 16-bit inputs keep the row sum: their tolerance absorbs that
+    # noise, and a [BM, BM] float32 tile would cost the tensor-core kernel registers.
+    if doi.dtype != torch.float32:
+        return torch.sum(doi.to(torch.float32) * oi.to(torch.float32), -1)
+    both = hl.dot(doi, oi.T, out_dtype=torch.float32)
     return torch.sum(torch.where(index.unsqueeze(1) == index.unsqueeze(0), both, 0.0), -1)
 
 
