@@ -15,6 +15,12 @@ compared. Reported: tokens/s over the timed steps (after warm-up), peak memory a
 loss. ``--converge N`` also trains eager and hkernels (auto) for N steps each and compares their loss curves
 (10-step moving averages; the tolerance is printed with the result), with a plot when matplotlib is there.
 
+``--amp``: mixed precision as most people train: float32 parameters, each forward under ``torch.autocast`` to
+``--dtype`` (the backward and the optimizer step outside it). ``--seq-lens 512,1024,2048,4096``: the row length
+changes step to step through that list (the same sequence for every variant; torch.compile meets a new length and
+makes it symbolic, as fine-tuning on real data does); tokens/s counts the tokens of each step. ``--compile-mode``:
+torch.compile's mode for the compiled variants (``reduce-overhead``: CUDA graphs).
+
 ``--dist ddp`` / ``--dist fsdp2`` (under ``torchrun``; on H200s with ``NCCL_NVLS_ENABLE=0``): every variant wrapped
 in DistributedDataParallel or FSDP2 (``fully_shard`` per decoder layer, after patching), ``--batch`` rows per
 process out of one global batch; with ``--converge N`` the distributed curve is compared with one process training
@@ -70,7 +76,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, caches)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="the model's parameters and activations")
+                   help="the model's parameters and activations (with --amp: autocast's dtype)")
+    p.add_argument("--amp", action="store_true",
+                   help="float32 parameters, each forward under torch.autocast to --dtype (mixed precision)")
+    p.add_argument("--seq-lens", default=None,
+                   help="comma-separated row lengths taken in turn step by step (default: --seq every step)")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile's mode for torch_compile and hkernels+compile (default, reduce-overhead, "
+                        "max-autotune-no-cudagraphs, ...)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate")
     p.add_argument("--converge", type=int, default=0,
                    help="also compare eager's and hkernels' loss curves over this many steps (0: no comparison)")
@@ -89,6 +102,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     for name, (gpu, cpu) in _MACHINE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, gpu if on_gpu else cpu)
+    args.lengths = [int(s) for s in args.seq_lens.split(",")] if args.seq_lens else [args.seq]
+    args.seq = max(args.lengths)
     return args
 
 
@@ -163,7 +178,7 @@ def _liger_patch(model: nn.Module) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module],
-             patch_ops: list[str] | None = None) -> Iterator[nn.Module]:
+             patch_ops: list[str] | None = None, compile_mode: str | None = None) -> Iterator[nn.Module]:
     """The module to train for variant ``name``: ``model`` patched (or compiled), then ``wrap``-ped (DDP, FSDP2:
     after patching, so that the wrapper sees the final modules); patches undone afterwards."""
     import hkernels
@@ -179,11 +194,11 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
         finally:
             hkernels.unpatch(model)
     elif name == "torch_compile":
-        yield torch.compile(wrap(model))
+        yield torch.compile(wrap(model), mode=compile_mode)
     elif name == "hkernels+compile":
         hkernels.patch(model, ops=patch_ops)
         try:
-            yield torch.compile(wrap(model))
+            yield torch.compile(wrap(model), mode=compile_mode)
         finally:
             hkernels.unpatch(model)
     elif name == "liger":
@@ -231,7 +246,8 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     from bench import model as bench_model
 
     dtype = getattr(torch, args.dtype)
-    model = bench_model.build(args.model, device=device, dtype=dtype, seed=0)
+    model = bench_model.build(args.model, device=device, dtype=torch.float32 if args.amp else dtype, seed=0)
+    region = (lambda: torch.autocast(device.type, dtype=dtype)) if args.amp else contextlib.nullcontext
     # Every process draws the same global batch (world x batch rows) and trains on its own rows: a distributed run
     # sees exactly the data of a one-process run with the global batch.
     rank, world = (dist_mode != "none" and _rank_world()) or (0, 1)
@@ -242,9 +258,10 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     on_gpu = device.type == "cuda"
     result: dict[str, Any] = {"variant": name}
     # Every batch made before the clock starts (the chain is walked token by token on the host: tens of ms a batch)
-    batches = [next(data)[rows] for _ in range(warmup + steps)]
-    timed = 0
-    with _variant(name, model, _wrapper(dist_mode, device), _patch_ops(args)) as fwd:
+    lengths = args.lengths
+    batches = [next(data)[rows][:, :lengths[i % len(lengths)]] for i in range(warmup + steps)]
+    timed = tokens = 0
+    with _variant(name, model, _wrapper(dist_mode, device), _patch_ops(args), args.compile_mode) as fwd:
         opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
         t0 = time.perf_counter()
         step_times: list[float] = []  # when each timed step ended (each ends in a sync: its loss's .item())
@@ -254,7 +271,8 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-            loss = fwd(ids, labels=ids).loss
+            with region():
+                loss = fwd(ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -264,6 +282,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                 loss /= world
             losses.append(loss.item())  # a sync per step: the same for every variant
             timed += i >= warmup
+            tokens += ids.numel() if i >= warmup else 0
             if i >= warmup:
                 step_times.append(time.perf_counter())
             if (i + 1) % max(1, (warmup + steps) // 10) == 0 or i + 1 == warmup + steps:
@@ -274,7 +293,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
         if on_gpu:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
-    tokens = args.batch * args.seq * timed * (world if dist_mode != "none" else 1)
+    tokens *= world if dist_mode != "none" else 1
     on_time = on_gpu and timed and elapsed > 0  # interpreted kernels on a CPU: no time means anything
     result.update(
         tokens_per_s=tokens / elapsed if on_time else None,
@@ -396,7 +415,9 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
     where = f", {args.dist} over {world} processes" if args.dist != "none" else ""
     rows = []
     for i, name in enumerate(variants, 1):
-        say(f"[{i}/{len(variants)}] {name}: {args.model}, batch {args.batch} x seq {args.seq}, {args.dtype}{where}")
+        seq = args.seq if len(args.lengths) == 1 else "/".join(map(str, args.lengths))
+        dtype = f"float32 under autocast to {args.dtype}" if args.amp else args.dtype
+        say(f"[{i}/{len(variants)}] {name}: {args.model}, batch {args.batch} x seq {seq}, {dtype}{where}")
         try:
             rows.append(train(name, args, device, args.steps, args.warmup, say, args.dist))
         except Exception as e:  # one variant failing (memory, a compile error) must not lose the others
@@ -436,7 +457,8 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
     out = args.out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        env = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "steps": args.steps,
+        env = {"model": args.model, "batch": args.batch, "seq": args.seq, "seq_lens": args.lengths,
+               "amp": args.amp, "compile_mode": args.compile_mode, "dtype": args.dtype, "steps": args.steps,
                "warmup": args.warmup, "dist": args.dist, "world": world,
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
                "commit": os.environ.get("HKERNELS_COMMIT")}

@@ -27,6 +27,19 @@ def test_train_smoke_writes_results(tmp_path):
     assert rc == (0 if data["converge"]["match"] else 1)
 
 
+def test_train_mixed_precision_with_varying_lengths(tmp_path):
+    """--amp (float32 parameters, forwards under autocast) with --seq-lens (the row length changing step by step):
+    each variant trains on the same lengths, hkernels' losses follow eager's, results.json says how it ran."""
+    rc = train.main(["--model", "tiny", "--seq-lens", "8,16", "--batch", "2", "--steps", "2", "--warmup", "1",
+                     "--amp", "--variants", "eager,hkernels-triton", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0, data
+    assert data["env"]["amp"] and data["env"]["seq_lens"] == [8, 16] and data["env"]["seq"] == 16
+    eager, ours = (r["losses"] for r in data["rows"])
+    assert len(eager) == len(ours) == 3
+    assert train.compare_curves(eager, ours)["match"]
+
+
 def test_train_moe_model_patches_its_experts(tmp_path):
     """The tiny MoE model (Qwen3-MoE's block, experts as transformers' grouped_mm): hkernels.patch puts its experts
     on hkernels.moe and the patched run's loss curve matches eager's."""
