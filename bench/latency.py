@@ -13,6 +13,11 @@ inside torch.compile: with eager PyTorch (torch), hkernels (auto) and torch.comp
 fwd_bwd times forward and backward calls back to back (torch.autograd.grad per call) instead of forward calls under
 no_grad. latency.md beside latency.json is the table.
 
+--dynamic: the compiled backends (torch_compile, auto_compile) are compiled with torch.compile's default
+``dynamic=None`` and called once at another row count before they are timed, so the timed calls run the graph
+torch.compile makes when a length changes (the row count symbolic), as a fine-tuning run with varying lengths does;
+without it each shape gets its own static graph.
+
 --gpu-time (a GPU only) times the kernels instead of the calls, for any shape: each backend's step (--mode fwd or
 fwd_bwd) captured once as a CUDA graph, then in each round every graph replayed under do_bench (L2 flushed
 between replays), in a fresh random order; the same paired ratios. Graph-timed rows measured one after another
@@ -49,12 +54,12 @@ KERNEL_BACKENDS = ("auto", "helion", "triton")
 
 
 def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str, Any],
-          mode: str = "fwd") -> Callable[[int], None]:
+          mode: str = "fwd", dynamic: bool = False) -> Callable[[int], None]:
     """A function running ``n`` calls of ``backend`` back to back: forwards (under no_grad), or forwards and
     backwards (``mode="fwd_bwd"``: one ``torch.autograd.grad`` per call)."""
     import hkernels
 
-    fn = op.kernel if backend in KERNEL_BACKENDS else callable_for(op, backend, compiled)
+    fn = op.kernel if backend in KERNEL_BACKENDS else callable_for(op, backend, compiled, dynamic)
     call = fn
     if mode == "fwd_bwd":
         ins = [t.detach().clone().requires_grad_(i in op.diff) if i in op.diff else t for i, t in enumerate(inputs)]
@@ -83,10 +88,10 @@ def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str,
 
 
 def _step(op: Any, backend: str, inputs: list[torch.Tensor], mode: str,
-          compiled: dict[str, Any]) -> Callable[[], object]:
+          compiled: dict[str, Any], dynamic: bool = False) -> Callable[[], object]:
     """One forward (or forward and backward) of ``backend``, to capture as a CUDA graph: kernel backends with
     their scope entered inside, so that the capture records that backend's kernels."""
-    fn = callable_for(op, backend, compiled)
+    fn = callable_for(op, backend, compiled, dynamic)
     if mode == "fwd":
         ins = [t.detach().clone() for t in inputs]  # a peer may write into its inputs
         return lambda: fn(*ins)
@@ -155,6 +160,8 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
              f"{env.get('device')} · torch {env.get('torch')} · commit {env.get('commit') or '?'} · "
              f"{env.get('rounds')} interleaved rounds of {env.get('calls')} calls back to back · {env.get('timing')}",
              *(["", f"**{_INTERPRETED[0].upper()}{_INTERPRETED[1:]}.**"] if env.get("device") == "cpu" else []),
+             *(["", "Compiled backends with the row count symbolic (--dynamic: called at another row count first)."]
+               if any(r.get("compiled") == "row count symbolic" for r in results) else []),
              "", "| op | shape | " + " | ".join(f"{b} µs" for b in backends)
              + " | auto / eager | auto / compile | auto / Liger | auto_compile / compile |",
              "|---|---|" + "---|" * (len(backends) + 4)]
@@ -185,6 +192,21 @@ def _write(out: Path | None, results: list[dict[str, Any]], device: torch.device
     (out / "latency.md").write_text(markdown(results, env))
 
 
+def _see_another_length(op: Any, shape: tuple[int, ...], backends: list[str], dtype: torch.dtype,
+                        device: torch.device, compiled: dict[str, Any], mode: str) -> None:
+    """--dynamic: each compiled backend called (and differentiated, for fwd_bwd) at another row count first, so that
+    torch.compile recompiles with the row count symbolic before the timed calls."""
+    other = (shape[0] + 1 if shape[0] > 1 else 2, *shape[1:])
+    inputs = make_inputs(op, other, dtype, device)
+    for b in backends:
+        if b in ("torch_compile", "auto_compile"):
+            if mode == "fwd":
+                with torch.no_grad():
+                    callable_for(op, b, compiled, True)(*inputs)
+            else:
+                _step(op, b, inputs, mode, compiled, True)()
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = cli.parser("latency", __doc__)
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
@@ -196,6 +218,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="two small shapes per op (the only mode on a CPU)")
     p.add_argument("--gpu-time", action="store_true",
                    help="GPU time of CUDA-graph replays instead of per-call latency (any shape; a GPU only)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compiled backends with the row count symbolic (called at another row count first)")
     p.add_argument("--mode", default="fwd", choices=("fwd", "fwd_bwd"),
                    help="what a call runs: a forward (under no_grad), or a forward and its backward")
     p.add_argument("--out", type=Path, default=None, help="where to write latency.json and latency.md (default: "
@@ -241,15 +265,18 @@ def main(argv: list[str] | None = None) -> int:
             inputs = make_inputs(op, shape, dtype, device)
             backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch", "auto_compile")
                         or (b == "torch_compile" and op.compile) or b in op.peers]
+            if args.dynamic:
+                _see_another_length(op, shape, backends, dtype, device, compiled, args.mode)
             if args.gpu_time:
-                steps = {b: _step(op, b, inputs, args.mode, compiled) for b in backends}
+                steps = {b: _step(op, b, inputs, args.mode, compiled, args.dynamic) for b in backends}
                 times = measure_graphs(steps, device, args.rounds)
             else:
                 with torch.no_grad():
-                    loops = {b: _loop(op, b, inputs, compiled, args.mode) for b in backends}
+                    loops = {b: _loop(op, b, inputs, compiled, args.mode, args.dynamic) for b in backends}
                     times = measure(loops, device, args.rounds if on_gpu else 2, args.calls if on_gpu else 2)
             row = {
                 "op": op_name, "shape": "x".join(str(s) for s in shape if s), "dtype": args.dtype,
+                "compiled": "row count symbolic" if args.dynamic else "static",
                 "timing": f"GPU µs per {args.mode} (graph replays)" if args.gpu_time else "µs per call (host loop)",
                 "us_per_call": {b: statistics.median(t) for b, t in times.items()},
                 "vs_torch_compile": {b: paired(times, b, "torch_compile") for b in times if b != "torch_compile"},

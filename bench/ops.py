@@ -670,10 +670,12 @@ def flops(op: OpBench, mode: str, m: int, n: int, k: int) -> float | None:
     return op.flops_fn(mode, m, n, k) if op.flops_fn is not None else None
 
 
-def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callable[..., object] | None:
+def callable_for(op: OpBench, backend: str, compiled: dict[str, Any], dynamic: bool = False
+                 ) -> Callable[..., object] | None:
     """``op``'s forward on ``backend``: hkernels' backends inside a ``use_backend`` scope per call, PyTorch eager,
     torch.compile of eager or of hkernels' call (``auto_compile``; each compiled once per op, kept in
-    ``compiled``), or a peer (None where it lacks the op)."""
+    ``compiled``), or a peer (None where it lacks the op). ``dynamic``: the compiled ones with torch.compile's
+    default ``dynamic=None`` (a size that changes between calls becomes symbolic), else ``dynamic=False``."""
     if backend == "auto" and not os.environ.get("HKERNELS_BACKEND"):
         return op.kernel  # the default: no scope per call (a user calling the op plainly enters none)
     if backend in ("helion", "triton", "auto"):
@@ -683,13 +685,14 @@ def callable_for(op: OpBench, backend: str, compiled: dict[str, Any]) -> Callabl
         return run
     if backend == "torch":
         return op.eager
+    world = " dynamic" if dynamic else ""
     if backend == "torch_compile":
-        if op.name not in compiled:
-            compiled[op.name] = torch.compile(op.eager, dynamic=False)
-        return compiled[op.name]
+        if op.name + world not in compiled:
+            compiled[op.name + world] = torch.compile(op.eager, dynamic=None if dynamic else False)
+        return compiled[op.name + world]
     if backend == "auto_compile":  # hkernels (auto) inside torch.compile: what a compiled model with it runs
-        key = f"{op.name} hkernels"
+        key = f"{op.name} hkernels{world}"
         if key not in compiled:
-            compiled[key] = torch.compile(op.kernel, dynamic=False)
+            compiled[key] = torch.compile(op.kernel, dynamic=None if dynamic else False)
         return compiled[key]
     return op.peers.get(backend)

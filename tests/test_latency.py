@@ -54,3 +54,18 @@ def test_steps_to_capture_run_forward_and_backward(device):
         assert all(g.shape == inputs[i].shape for g, i in zip(grads, op.diff, strict=True))
         out = latency._step(op, backend, inputs, "fwd", {})()
         assert out.shape == inputs[0].shape
+
+
+def test_latency_dynamic_times_the_graph_with_the_row_count_symbolic(tmp_path):
+    """--dynamic: the compiled backend sees another row count first, so the timed calls run the graph whose row
+    count is symbolic (one recompile, not one per shape), and the row says so."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert latency.main(["--quick", "--dynamic", "--ops", "rms_norm", "--backends", "torch,torch_compile",
+                         "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "latency.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["compiled"] == "row count symbolic" for r in rows)
+    # the first shape's other length (a static graph, then the dynamic one); the second shape reuses the dynamic
+    # graph unless its row count is 1, which torch.compile specializes
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+    assert "row count symbolic" in (tmp_path / "latency.md").read_text()
