@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -475,3 +476,67 @@ def test_auto_inside_compile_follows_the_compiled_table(device, monkeypatch, tmp
         monkeypatch.undo()
         configs.reload()
 
+
+
+def _lengthed(op: str, n: int, g: torch.Generator, device: torch.device) -> tuple[list[torch.Tensor], dict]:
+    """Inputs of ``op`` with ``n`` tokens (rows, sequence positions or packed tokens), the rest fixed."""
+    def t(*shape: int, grad: bool = True, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * scale).to(device).requires_grad_(grad)
+
+    w = lambda: t(48, scale=0.5)
+    made: dict[str, Any] = {
+        "rms_norm": lambda: [t(n, 48), w()],
+        "layer_norm": lambda: [t(n, 48), w(), w()],
+        "softmax": lambda: [t(n, 48)],
+        "add_rms_norm": lambda: [t(n, 48), t(n, 48), w()],
+        "swiglu": lambda: [t(n, 48), t(n, 48)],
+        "geglu": lambda: [t(n, 48), t(n, 48)],
+        "rope": lambda: [t(1, 4, n, 16), t(1, 2, n, 16), torch.cos(t(n, 16, grad=False)),
+                         torch.sin(t(n, 16, grad=False))],
+        "cross_entropy": lambda: [t(n, 40), torch.randint(0, 40, (n,), generator=g).to(device)],
+        "fused_linear_cross_entropy": lambda: [t(n, 16), t(40, 16, scale=0.25),
+                                               torch.randint(0, 40, (n,), generator=g).to(device)],
+        "matmul": lambda: [t(n, 16), t(16, 12, scale=0.25), t(12)],
+        "attention": lambda: [t(1, 4, n, 16), t(1, 2, n, 16), t(1, 2, n, 16)],
+        "attention_varlen": lambda: [t(n, 4, 16), t(n, 2, 16), t(n, 2, 16),
+                                     torch.tensor([0, n // 3, n], dtype=torch.int32, device=device)],
+        "grouped_matmul": lambda: [t(n, 16), t(3, 12, 16, scale=0.25),
+                                   torch.tensor([n // 3, 0, n - n // 3], device=device)],
+        "moe": lambda: [t(n, 16), t(3, 24, 16, scale=0.25), t(3, 16, 12, scale=0.25),
+                        torch.randint(0, 3, (n, 2), generator=g).to(device),
+                        torch.rand(n, 2, generator=g).to(device).requires_grad_()],
+    }
+    kwargs = {"matmul": {"activation": "silu"}, "attention": {"causal": True},
+              "attention_varlen": {"causal": True}}.get(op, {})
+    return made[op](), kwargs
+
+
+LENGTHS = (7, 12, 19, 33, 50)
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", *LLM_OPS])
+def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
+    """One compiled function (torch.compile's default dynamic=None, aot_eager) called at five lengths: a graph for
+    the first, one with the length symbolic from the second on, and no more (a loop over the length's chunks or a
+    size read on the host would recompile at every length); each length as the eager call gives it, forward and
+    backward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = getattr(hkernels, op)
+    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter)
+    g = torch.Generator().manual_seed(4)
+    with hkernels.use_backend(backend):
+        for n in LENGTHS:
+            inputs, kwargs = _lengthed(op, n, g, device)
+            leaves = [x for x in inputs if x.requires_grad]
+            out = compiled(*inputs, **kwargs)
+            grads = torch.autograd.grad(out, leaves)
+            want = _llm_sum(fn(*inputs, **kwargs))
+            want_grads = torch.autograd.grad(want, leaves)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+            for got, ref in zip(grads, want_grads, strict=True):
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count <= 2, f"{op} on {backend}: {counter.frame_count} graphs for {len(LENGTHS)} lengths"

@@ -35,6 +35,28 @@ def chunk_rows(t: int, h: int, v: int) -> int:
     return max(1, min(t, per_chunk))
 
 
+# Chunks of a call traced with T symbolic, at most.
+MAX_TRACED_CHUNKS = 16
+
+
+def traced_chunks(h: int, v: int) -> int:
+    """How many chunks a call traced with T symbolic (torch.compile after a second length) splits T into: about
+    V/H, which makes each logits chunk the size of hidden as :func:`chunk_rows` aims for, within [1, 16]. A count
+    from the static dims: a loop over ⌈T/C⌉ chunks would specialise the graph to each T."""
+    return max(1, min(MAX_TRACED_CHUNKS, v // max(1, h)))
+
+
+def chunk_bounds(t: Any, h: int, v: int, rows: int | None = None) -> list[tuple[Any, Any]]:
+    """The [start, end) rows of each chunk: ``rows`` (default :func:`chunk_rows`) at a time for a concrete T; for
+    a symbolic T, :func:`traced_chunks` equal parts, whose bounds are expressions of T (no guard on its value
+    beyond parts of 0 or 1 rows, which only a T below twice the count meets)."""
+    if isinstance(t, torch.SymInt):
+        parts = traced_chunks(h, v)
+        return [(i * t // parts, (i + 1) * t // parts) for i in range(parts)]
+    rows = rows or chunk_rows(t, h, v)
+    return [(start, min(start + rows, t)) for start in range(0, t, rows)]
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -56,9 +78,7 @@ def linear_cross_entropy(
     grad_hidden = torch.empty_like(hidden) if with_grad else None
     grad_weight = torch.zeros_like(weight) if with_grad else None
     grad_bias = torch.zeros(V, dtype=torch.float32, device=hidden.device) if with_grad and bias is not None else None
-    rows = rows or chunk_rows(T, H, V)
-    for start in range(0, T, rows):
-        end = min(start + rows, T)
+    for start, end in chunk_bounds(T, H, V, rows):
         h = hidden[start:end]
         logits = F.linear(h, weight, bias)  # [C, V]
         grad = logits if with_grad else None  # the gradient overwrites the logits in place
