@@ -65,7 +65,7 @@ def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, 
     from triton_fallback import _common
 
     monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(configs, "_cuda_arch", lambda index: "sm90")
+    monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm90")
     folder = tmp_path / "triton" / "sm90"
     folder.mkdir(parents=True)
     (folder / "rope.json").write_text(json.dumps(
@@ -81,7 +81,7 @@ def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, 
         assert _common.tuned_settings("rope", 128, torch.device("cpu")) is None
         assert _common.tuned_row_settings("softmax", 4096, gpu) == _common.RowSettings(**row)
         assert _common.tuned_row_settings("softmax", 300, gpu) is None  # a 4096-wide block for 300: stale
-        monkeypatch.setattr(configs, "_cuda_arch", lambda index: "sm100")
+        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm100")
         configs.reload()
         assert _common.tuned_settings("rope", 128, gpu) is None  # tuned on another arch
     finally:

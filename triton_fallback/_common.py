@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,27 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two ≥ n (1 for n ≤ 1), on the host."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cache_dir() -> Path:
+    """The user cache the tune command writes to: ``HKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/hkernels``, else
+    ``~/.cache/hkernels`` (``hkernels.configs`` reads it through here: this package imports nothing above it)."""
+    explicit = os.environ.get("HKERNELS_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hkernels"
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def cuda_arch(device: torch.device) -> str:
+    """``sm<major><minor>`` of a CUDA device."""
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,9 +104,7 @@ def clear_memos() -> None:
 @memo(16)
 def _tuned_table(arch: str, op: str) -> dict[str, list[dict]]:
     # Written by python -m hkernels.tune: {"fwd": [{"min_n": n, "max_n": n, "settings": {RowSettings fields}}]}.
-    from hkernels import configs  # torch-only: keeps this package importable without helion
-
-    path = configs.cache_dir() / "triton" / arch / f"{op}.json"
+    path = cache_dir() / "triton" / arch / f"{op}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -99,9 +120,7 @@ def tuned_settings(op: str, n: int, device: torch.device) -> Any:
         return s
     if device.type != "cuda":
         return None
-    from hkernels import configs  # torch-only: keeps this package importable without helion
-
-    for bucket in _tuned_table(configs.cuda_arch(device), op).get("fwd", []):
+    for bucket in _tuned_table(cuda_arch(device), op).get("fwd", []):
         if bucket["min_n"] <= n <= bucket["max_n"]:
             return bucket["settings"]
     return None

@@ -17,35 +17,16 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
-import torch
+# The user cache and a device's arch live at the bottom of the import order, where the Triton launchers read them too.
+from triton_fallback._common import cache_dir, cuda_arch
+
+__all__ = ["DEFAULT_ARCH", "auto_table", "cache_dir", "cuda_arch", "helion_table", "on_reload", "reload"]
 
 DEFAULT_ARCH = "sm90"
-
-
-def cache_dir() -> Path:
-    """The user cache the tune command writes to."""
-    explicit = os.environ.get("HKERNELS_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hkernels"
-
-
-@functools.lru_cache(maxsize=8)
-def _cuda_arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
-def cuda_arch(device: torch.device) -> str:
-    """``sm<major><minor>`` of a CUDA device."""
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _read(path: Any) -> dict[str, Any]:
