@@ -108,9 +108,11 @@ def _step(case: str, variant: str, device: torch.device, mode: str) -> Callable[
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = cli.parser("autocast", __doc__)
     p.add_argument("--cases", default="all", help=f"comma-separated, from {', '.join(CASES)}; or all")
-    p.add_argument("--mode", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
+    p.add_argument("--mode", default="fwd_bwd", choices=["fwd", "fwd_bwd"],
+                   help="what a step runs: a forward (under no_grad), or a forward and its backward")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
-    p.add_argument("--out", type=Path, default=None, help="where to write autocast.json and autocast.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write autocast.json and autocast.md (default: nowhere, the table goes to stdout)")
     return p.parse_args(argv)
 
 

@@ -514,7 +514,9 @@ def _lengthed(op: str, n: int, g: torch.Generator, device: torch.device) -> tupl
 LENGTHS = (7, 12, 19, 33, 50)
 
 
-@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+# On a CPU the kernel backends' custom ops stay opaque in a graph (interpreted kernels are not traced): Triton's
+# stands for both there; on a GPU each kernel backend is traced.
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"] if ON_GPU else ["triton", "torch"])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", *LLM_OPS])
 def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
     """One compiled function (torch.compile's default dynamic=None, aot_eager) called at five lengths: a graph for
