@@ -4,8 +4,9 @@ puts everything back.
 What is replaced (``ops`` picks; default all but attention, ``"all"`` everything):
 - ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face's LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm and
   Qwen3RMSNorm and every class transformers marks ``use_kernel_forward_from_hub("RMSNorm")`` (its name for this
-  computation; look-alikes that scale by 1 + weight are left alone) -> :class:`hkernels.nn.RMSNorm` holding the
-  same Parameter objects;
+  computation), and the norms that scale by 1 + weight in float32 (Gemma's, Gemma 2's, Gemma 3's, Qwen3-Next's:
+  ``offset=1.0``; other look-alikes are left alone) -> :class:`hkernels.nn.RMSNorm` holding the same Parameter
+  objects;
 - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
 - ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
@@ -110,24 +111,32 @@ def _name(o: Any) -> str:
 # By name, not by shape: several look the same and scale by (1 + weight) (Gemma, Qwen3-Next, ...), where a
 # replacement would be silently wrong.
 HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# ... and those known to compute x / rms(x) · (1 + weight), all in float32, then cast to x's dtype: offset 1.
+HF_OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
 # Hugging Face modeling modules whose apply_rotary_pos_emb is the full rotate_half rotation (not interleaved, not
 # partial): replaced by hkernels.rope. Other modules opt in by marking the function hkernels_rope = "rotate_half".
 HF_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3"))
 
 
-def _hf_rms_norm(m: nn.Module) -> float | None:
-    """eps of a known Hugging Face RMSNorm (weight over the last dim), else None: one of :data:`HF_RMS_NORMS`, or a
-    class transformers marks ``use_kernel_forward_from_hub("RMSNorm")``, the name its kernel mapping gives Llama's
-    computation (every class it marks so computes it)."""
+def _hf_rms_norm(m: nn.Module) -> tuple[float, float] | None:
+    """(eps, offset) of a known Hugging Face RMSNorm (weight over the last dim), else None: one of
+    :data:`HF_RMS_NORMS`, or a class transformers marks ``use_kernel_forward_from_hub("RMSNorm")``, the name its
+    kernel mapping gives Llama's computation (every class it marks so computes it): offset 0; one of
+    :data:`HF_OFFSET_RMS_NORMS`: offset 1."""
     cls = type(m)
-    if not cls.__module__.startswith("transformers.") or (
-            cls.__name__ not in HF_RMS_NORMS and getattr(cls, "kernel_layer_name", None) != "RMSNorm"):
+    if not cls.__module__.startswith("transformers."):
+        return None
+    if cls.__name__ in HF_OFFSET_RMS_NORMS:
+        offset = 1.0
+    elif cls.__name__ in HF_RMS_NORMS or getattr(cls, "kernel_layer_name", None) == "RMSNorm":
+        offset = 0.0
+    else:
         return None
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(eps, float):
         return None
-    return eps
+    return eps, offset
 
 
 def _new_rms_norm(m: nn.Module) -> nn.Module | None:
@@ -135,10 +144,10 @@ def _new_rms_norm(m: nn.Module) -> nn.Module | None:
         new = hnn.RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
         new.weight = m.weight
         return new
-    eps = _hf_rms_norm(m)
-    if eps is None:
+    known = _hf_rms_norm(m)
+    if known is None:
         return None
-    new = hnn.RMSNorm(m.weight.shape[0], eps, True, device="meta")
+    new = hnn.RMSNorm(m.weight.shape[0], known[0], True, device="meta", offset=known[1])
     new.weight = m.weight
     return new
 
@@ -592,7 +601,7 @@ class _Tally:
 # Why an op found nothing to replace, where nothing more specific was noted: what it looks for.
 _LOOKS_FOR = {
     "rms_norm": "no torch.nn.RMSNorm, no Hugging Face RMSNorm marked use_kernel_forward_from_hub('RMSNorm') and "
-                f"none of {', '.join(HF_RMS_NORMS)}",
+                f"none of {', '.join(HF_RMS_NORMS + HF_OFFSET_RMS_NORMS)}",
     "layer_norm": "no torch.nn.LayerNorm",
     "swiglu": "no MLP with gate_proj, up_proj and down_proj Linears and a SiLU act_fn",
     "geglu": "no MLP with gate_proj, up_proj and down_proj Linears and a tanh-approximated GELU act_fn",
@@ -708,8 +717,8 @@ def _patch_modules(model: nn.Module, tally: _Tally) -> None:
                 tally.add(Replacement(path, op, "module", m, new))
                 break
             if op == "rms_norm" and type(m).__name__.endswith("RMSNorm"):
-                tally.note(op, f"{type(m).__name__} is not known to compute x / rms(x) * weight (it may scale by "
-                               "1 + weight)")
+                tally.note(op, f"{type(m).__name__} is not known to compute x / rms(x) * weight or x / rms(x) * "
+                               "(1 + weight) in float32")
     if hooked:
         warnings.warn(f"hkernels.patch: left {len(hooked)} module(s) with hooks or a replaced forward as they are "
                       f"(e.g. {hooked[0]}): a new module would not run their hooks", RuntimeWarning, stacklevel=3)

@@ -78,13 +78,14 @@ class Variant:
             return scale
         centred = x - x.mean(-1, keepdim=True) if self.op == "layer_norm" else x
         rstd = torch.rsqrt(centred.pow(2).mean(-1) + self.kwargs["eps"]).max().item()
-        weight = params["weight"].abs().max().item() if "weight" in params else 1.0
+        weight = (params["weight"] + self.kwargs.get("offset", 0.0)).abs().max().item() if "weight" in params else 1.0
         return scale * rstd * weight
 
 
 VARIANTS = [
     Variant("rms_norm", ("weight",), {"eps": 1e-6}),
     Variant("rms_norm", (), {"eps": 1e-5}),
+    Variant("rms_norm", ("weight",), {"eps": 1e-6, "offset": 1.0}),  # Gemma's x̂ · (1 + w)
     Variant("layer_norm", ("weight", "bias"), {"eps": 1e-5}),
     Variant("layer_norm", ("weight",), {"eps": 1e-5}),
     Variant("layer_norm", (), {"eps": 1e-5}),
@@ -315,6 +316,13 @@ CASES_LLM: list[Case] = [
                                       {"eps": 1e-6}),
              ("x", "residual", "weight") if w else ("x", "residual"))
         for name, shape in _NORM_SHAPES for w in (True, False) if w or name in ("odd", "3d", "large_n")
+    ],
+    *[
+        Case("add_rms_norm", f"{name}-weight-offset",  # Gemma's x̂ · (1 + w), w near 0
+             lambda g, s=shape: ({"x": _randn(g, *s), "residual": _randn(g, *s, scale=2.0),
+                                  "weight": _randn(g, s[-1], scale=0.3)}, {"eps": 1e-6, "offset": 1.0}),
+             ("x", "residual", "weight"))
+        for name, shape in _NORM_SHAPES if name in ("odd", "3d", "many_rows")
     ],
     _ce_case("one_token", 1, 7),
     _ce_case("odd_v", 37, 1000),

@@ -529,3 +529,26 @@ def test_attention_gradients_are_exactly_zero_where_each_query_keeps_one_key(bac
     torch.testing.assert_close(o, v, rtol=0, atol=0)
     assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0, (dq.abs().max(), dk.abs().max())
     torch.testing.assert_close(dv, do, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_norm_offset_needs_a_weight_and_a_finite_value(op, device):
+    x = torch.randn(3, 16, device=device)
+    args = (x, x.clone()) if op == "add_rms_norm" else (x,)
+    fn = getattr(hkernels, op)
+    with pytest.raises(ValueError, match=rf"hkernels\.{op}: offset 1.0 scales by offset \+ weight, so it needs a"):
+        fn(*args, None, 1e-6, 1.0)
+    for bad in (float("nan"), float("inf"), "1", True):
+        with pytest.raises(TypeError, match=rf"hkernels\.{op}: offset must be a finite float"):
+            fn(*args, torch.zeros(16, device=device), 1e-6, bad)
+
+
+def test_norm_offset_is_gemmas_one_plus_weight(device):
+    """offset=1 scales by 1 + w taken in float32, as Gemma's RMSNorm does: a bfloat16 weight near 0 keeps its small
+    values (1 + w in bfloat16 would round them to 1 or 1 + 2⁻⁷, an error of up to 4e-3 here)."""
+    x = torch.randn(4, 64, device=device)
+    w = (torch.randn(64, device=device) * 3e-3).to(torch.bfloat16)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+    for backend in KERNEL_BACKENDS:
+        with hkernels.use_backend(backend):
+            torch.testing.assert_close(hkernels.rms_norm(x, w, 1e-6, offset=1.0), want, rtol=1e-5, atol=1e-5)

@@ -118,22 +118,59 @@ def test_hf_return_dict_false_and_signature_kept(device):
         unpatch(model)
 
 
-def test_hf_look_alike_norms_that_scale_by_one_plus_weight_are_left_alone(device):
-    """Classes shaped like Llama's RMSNorm but computing x / rms * (1 + weight): replacing them would be silently
-    wrong, so only the known classes are patched."""
+def test_hf_norms_that_scale_by_one_plus_weight_get_offset_one(device):
+    """Gemma's, Gemma 2's, Gemma 3's and Qwen3-Next's RMSNorm compute x / rms(x) · (1 + weight) in float32: they
+    become hkernels.nn.RMSNorm with offset 1, sharing the weight, with the same output and gradients (bfloat16 input,
+    a float32 weight near 0 as trained ones are)."""
     found = []
-    for mod_name, cls_name in (("qwen3_next", "Qwen3NextRMSNorm"), ("gemma", "GemmaRMSNorm"),
-                               ("gemma2", "Gemma2RMSNorm")):
+    for mod_name, cls_name in (("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
+                               ("qwen3_next", "Qwen3NextRMSNorm")):
         try:
             mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
         except ImportError:
             continue
         cls = getattr(mod, cls_name, None)
         if cls is not None:
-            found.append(cls(16))
+            found.append(cls(48, eps=1e-6).to(device))
     if not found:
-        pytest.skip("none of the look-alike classes in this transformers")
+        pytest.skip("none of these classes in this transformers")
+    g = torch.Generator().manual_seed(2)
+    for m in found:
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(48, generator=g) * 0.1)
+    plain = copy.deepcopy(torch.nn.Sequential(*found))
     net = torch.nn.Sequential(*found)
+    done = hkernels.patch(net, ops="rms_norm")
+    assert len(done) == len(found)
+    assert all(isinstance(m, hnn.RMSNorm) and m.offset == 1.0 for m in net)
+    assert all(a.weight is b.weight for a, b in zip(net, found, strict=True))
+    x = (torch.randn(3, 5, 48, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with hkernels.use_backend("triton"):
+        y = net(x1)
+    want = plain(x2)
+    assert y.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=1.6e-2, atol=1e-2)
+    up = torch.randn(y.shape, generator=g).to(device=device, dtype=y.dtype)
+    got = torch.autograd.grad(y, [x1, *(m.weight for m in net)], up)
+    ref = torch.autograd.grad(want, [x2, *(m.weight for m in plain)], up)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, b.abs().max().item()))
+
+
+def test_hf_look_alike_norms_of_other_forms_are_left_alone(device):
+    """A class shaped like an RMSNorm that hkernels does not know (here: one marked for no known computation) is not
+    replaced: the patch says what it looks for."""
+    cls = type("SomeRMSNorm", (torch.nn.Module,), {"__module__": "transformers.models.some.modeling_some"})
+
+    def init(self, n):
+        torch.nn.Module.__init__(self)
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps = 1e-6
+
+    cls.__init__ = init
+    net = torch.nn.Sequential(cls(16))
     with pytest.raises(ValueError, match=r"rms_norm replaced nothing.*is not known to compute x / rms\(x\) \* weight"):
         hkernels.patch(net, ops="rms_norm")
     assert not any(isinstance(m, hnn.RMSNorm) for m in net.modules())

@@ -674,6 +674,20 @@ def check_eps(op: str, eps: Any) -> None:
         raise ValueError(f"hkernels.{op}: eps must be a finite number greater than 0, got {eps!r}")
 
 
+def offset_weight(op: str, weight: Any, offset: Any) -> Tensor:
+    """The norms' ``offset`` (Gemma's ``x̂ · (offset + w)``, offset 1): folded into a float32 weight ``w + offset``
+    ([N], differentiable: the gradient reaches w unchanged), which the kernels scale by as they scale by any
+    weight. Float32 as Gemma computes it: a 16-bit ``1 + w`` would round w's small values away."""
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
+        raise TypeError(f"hkernels.{op}: offset must be a finite float, got {offset!r}")
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"hkernels.{op}: offset {offset!r} scales by offset + weight, so it needs a weight tensor, "
+                         f"got {type(weight).__name__}")
+    if weight.dtype not in FLOAT:
+        raise TypeError(f"hkernels.{op}: weight must be a floating-point tensor, got {weight.dtype}")
+    return weight.to(compute_dtype(weight.dtype)) + offset
+
+
 def check_tensor(op: str, name: str, t: Any, dims: tuple[int, ...] | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"hkernels.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")

@@ -28,6 +28,7 @@ from hkernels.functional._base import (
     check_same,
     check_tensor,
     compute_dtype,
+    offset_weight,
     placeholder,
     rows,
     rows_view,
@@ -41,14 +42,17 @@ from hkernels.functional.rms_norm import rms_norm, rms_norm_fwd
 OP = "add_rms_norm"
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0
                  ) -> tuple[Tensor, Tensor]:
     """The residual add and RMS norm of a Llama block in one pass: ``(rms_norm(x + residual) * weight, x + residual)``.
 
     x, residual: [..., N], one shape and dtype; weight: [N] or None. The sum is rounded to x's dtype before the
     norm (as the unfused ``h = x + residual; rms_norm(h)`` does) and returned as the next residual. Math in
-    float32. Differentiable in x, residual and weight, through both outputs.
+    float32. ``offset``: the scale is ``offset + weight`` (Gemma's ``1 + weight`` is ``offset=1.0``, in float32).
+    Differentiable in x, residual and weight, through both outputs.
     """
+    if offset:
+        weight = offset_weight(OP, weight, offset)
     return _CALLS(x, residual, weight, eps)
 
 
@@ -133,10 +137,12 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, ds: Tensor | None, _d
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
-def reference(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual) · weight, x + residual): the residual sum rounded to x's dtype, as in a model."""
+def reference(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0
+              ) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual) · (offset + weight), x + residual): the residual sum rounded to x's dtype, as in a
+    model."""
     s = x + residual
-    return rms_norm_reference(s, weight, eps), s
+    return rms_norm_reference(s, weight, eps, offset), s
 
 
 def add_rms_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float

@@ -25,6 +25,7 @@ from hkernels.functional._base import (
     check_input,
     check_param,
     compute_dtype,
+    offset_weight,
     placeholder,
     rows,
     rows_view,
@@ -35,12 +36,15 @@ from hkernels.functional._base import (
 OP = "rms_norm"
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * weight``.
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * (offset + weight)``.
 
-    x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight: [N] or None. Math in float32;
-    the result has x's dtype and shape. Differentiable in x and weight.
+    x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight: [N] or None. ``offset``: Gemma's
+    ``1 + weight`` is ``offset=1.0`` (the scale ``offset + weight`` taken in float32, as Gemma does). Math in
+    float32; the result has x's dtype and shape. Differentiable in x and weight.
     """
+    if offset:
+        weight = offset_weight(OP, weight, offset)
     return _CALLS(x, weight, eps)
 
 
@@ -119,13 +123,13 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _drstd: Tensor | None
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
-def reference(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """y = x / sqrt(mean(x², last dim) + eps) * weight.  x: [..., N], weight: [N]. Math in float32 for 16-bit
-    inputs, in x's own precision otherwise (so float64 inputs give the float64 truth)."""
+def reference(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """y = x / sqrt(mean(x², last dim) + eps) * (offset + weight).  x: [..., N], weight: [N]. Math in float32 for
+    16-bit inputs, in x's own precision otherwise (so float64 inputs give the float64 truth)."""
     xf = x.to(compute_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(xf.dtype)
+        y = y * (weight.to(xf.dtype) + offset)
     return y.to(x.dtype)
 
 
