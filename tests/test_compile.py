@@ -169,7 +169,8 @@ def test_llm_custom_op_registration(op, fused, device):
         "geglu": lambda a: (ops.geglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), "none", "")),
         "rope": lambda a: (ops.rope_fwd.default, (a[0], a[1], a[2][None], a[3][None], "")),
         "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, "")),
-        "cross_entropy": lambda a: (ops.cross_entropy_fwd.default, (a[0], a[1], -100, 0.1, "mean", fused, False, "")),
+        "cross_entropy": lambda a: (ops.cross_entropy_fwd.default,
+                                    (a[0], a[1], -100, 0.1, "mean", fused, False, 3.0, 1e-2, True, "")),
         "fused_linear_cross_entropy": lambda a: (
             ops.fused_linear_cross_entropy_fwd.default, (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, "")
         ),

@@ -552,3 +552,33 @@ def test_norm_offset_is_gemmas_one_plus_weight(device):
     for backend in KERNEL_BACKENDS:
         with hkernels.use_backend(backend):
             torch.testing.assert_close(hkernels.rms_norm(x, w, 1e-6, offset=1.0), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("option", "value", "error"), [
+    ("softcap", 0.0, ValueError), ("softcap", -1.0, ValueError), ("softcap", float("nan"), ValueError),
+    ("softcap", float("inf"), ValueError), ("lse_square_scale", -1e-4, ValueError),
+    ("lse_square_scale", float("inf"), ValueError), ("return_z_loss", 1, TypeError),
+])
+def test_loss_options_out_of_range_raise_naming_the_op(option, value, error, device):
+    logits = torch.randn(3, 10, device=device)
+    target = torch.tensor([1, 2, 3], device=device)
+    with pytest.raises(error, match=rf"hkernels\.cross_entropy: {option} must be"):
+        hkernels.cross_entropy(logits, target, **{option: value})
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+def test_z_loss_is_part_of_the_loss_and_returned_alone(backend, device):
+    """loss with lse_square_scale λ = the plain loss + λ·mean(lse²) over the kept tokens; return_z_loss gives that
+    term alone; a softcap of 1e6 leaves the logits as they are (tanh(x/c)·c = x to float32 precision)."""
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(6, 40, generator=g) * 3).to(device)
+    target = torch.tensor([1, -100, 5, 39, 0, 7], device=device)
+    with hkernels.use_backend(backend):
+        plain = hkernels.cross_entropy(logits, target)
+        loss, z = hkernels.cross_entropy(logits, target, lse_square_scale=1e-2, return_z_loss=True)
+        capped = hkernels.cross_entropy(logits, target, softcap=1e6)
+    kept = target != -100
+    want_z = 1e-2 * torch.logsumexp(logits[kept], -1).pow(2).mean()
+    torch.testing.assert_close(z, want_z, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, plain + want_z, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(capped, plain, rtol=1e-5, atol=1e-5)

@@ -56,17 +56,20 @@ def test_llm_op_forward_and_gradients(case, backend, dtype, device, monkeypatch)
             ups.append(torch.ones_like(o))
         else:
             ups.append(torch.randn(o.shape, generator=g, dtype=torch.float64).to(device=device, dtype=o.dtype))
-    # (outside the scope: the backward follows the forward; a forward-only op names no gradients)
-    grads = torch.autograd.grad(outs, [ins[n] for n in case.grads], ups) if case.grads else ()
+    # (outside the scope: the backward follows the forward; a forward-only op names no gradients). Outputs without
+    # a gradient of their own (a loss's z term, returned for logging) take no upstream gradient.
+    diff = [i for i, o in enumerate(outs) if o.requires_grad]
+    pick = lambda ts: [ts[i] for i in diff]
+    grads = torch.autograd.grad(pick(outs), [ins[n] for n in case.grads], pick(ups)) if case.grads else ()
 
     ins64 = {k: v.detach().double().requires_grad_(k in case.grads) for k, v in inputs.items()}
     refs = _outputs(getattr(references, case.op)(**ins64, **kwargs))
-    ref_grads = (torch.autograd.grad(refs, [ins64[n] for n in case.grads], [u.double() for u in ups]) if case.grads
-                 else ())
+    ref_grads = (torch.autograd.grad(pick(refs), [ins64[n] for n in case.grads], [u.double() for u in pick(ups)])
+                 if case.grads else ())
 
     base_ins = _leaves(inputs, case.grads)
     bases = _outputs((case.base or getattr(references, case.op))(**base_ins, **kwargs))
-    base_grads = torch.autograd.grad(bases, [base_ins[n] for n in case.grads], ups) if case.grads else ()
+    base_grads = torch.autograd.grad(pick(bases), [base_ins[n] for n in case.grads], pick(ups)) if case.grads else ()
 
     problems = []
     for i, (o, r, b) in enumerate(zip(outs, refs, bases, strict=True)):

@@ -20,16 +20,32 @@ Tensor = torch.Tensor
 
 
 @triton.jit
+def _tanh(x):
+    # 1 − 2 / (e^{2x} + 1): exact limits at ±inf, one exp2, tl math only (the interpreter has no libdevice); below
+    # |x| = 0.2, where that form cancels (an absolute error of float32's epsilon, which a large cap c multiplies),
+    # its odd series to x⁷: a relative error under 1e-6 everywhere.
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    return tl.where(tl.abs(x) < 0.2, series, 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,  # [T, V], unit column stride
     target_ptr,  # [T] int64
     scale_ptr,  # [T] float32, any stride (0: one factor for all rows): the gradient's factor per row
     loss_ptr,  # [T] float32 out
     grad_ptr,  # [T, V] out (logits' dtype), when HAS_GRAD
-    T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing,
+    z_ptr,  # [T] float32 out: each row's z term λ·lse², when Z_LOSS
+    T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
+    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr,
 ):
+    # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
+    # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax: fused into the same two passes.
     smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
+    softcap = tl.cast(softcap, tl.float32)
+    z_scale = tl.cast(z_scale, tl.float32)
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
         x_row = logits_ptr + row64 * stride_logits
@@ -44,6 +60,8 @@ def _cross_entropy_fwd_kernel(
         for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            if SOFTCAP:
+                x = tl.where(cols < V, softcap * _tanh(x / softcap), -float("inf"))
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -61,9 +79,15 @@ def _cross_entropy_fwd_kernel(
             x_t = tl.where(valid & in_range, x_t, 0.0)
         else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                x_t = softcap * _tanh(x_t / softcap)
         # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
         # Differences before scaling, as PyTorch's: lse − x_t cancels exactly where it should (one logit: 0)
         loss = (1.0 - smoothing) * (lse - x_t) + tl.where(smoothing != 0.0, smoothing * (lse - x_sum / V), 0.0)
+        if Z_LOSS:
+            z = tl.where(valid, tl.where(in_range, z_scale * lse * lse, float("nan")), 0.0)
+            tl.store(z_ptr + row64, z)
+            loss += z
         loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + row64, loss)
         if HAS_GRAD:
@@ -78,7 +102,15 @@ def _cross_entropy_fwd_kernel(
             for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_V)
                 x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+                if SOFTCAP:
+                    th = _tanh(x / softcap)
+                    x = softcap * th
+                p = tl.exp(x - lse)
+                if Z_LOSS:
+                    p = p * (1.0 + 2.0 * z_scale * lse)
+                g = p - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+                if SOFTCAP:
+                    g = g * (1.0 - th * th)
                 tl.store(g_row + cols, (g * s).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
@@ -123,11 +155,14 @@ GRAD_XT = "barrier"
 
 
 def cross_entropy_fwd(
-    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
-    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
+    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
+    ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
+    is written to ``z`` [T] float32 when given)."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     tuned = tuned_settings("cross_entropy", V, logits.device)  # from python -m hkernels.tune, if it ran here
@@ -136,12 +171,15 @@ def cross_entropy_fwd(
     else:
         block, warps, stages, per_sm = _settings(V)
     grid = (persistent_programs(logits.device, T, per_sm),)
+    zloss = z_scale != 0.0
+    if zloss and z is None:
+        z = torch.empty(T, dtype=torch.float32, device=logits.device)
     launch(_cross_entropy_fwd_kernel, grid,
-        logits, target, scale, loss, grad if grad is not None else loss,
+        logits, target, scale, loss, grad if grad is not None else loss, z if z is not None else loss,
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
-        ignore_index, label_smoothing,
+        ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
-        num_warps=warps,
+        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, num_warps=warps,
     )
     return loss
 

@@ -7,6 +7,7 @@ Kernels: ``hkernels/ops/cross_entropy.py`` (Helion), ``triton_fallback/cross_ent
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,8 +31,9 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
-) -> Tensor:
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+    *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``torch.nn.functional.cross_entropy`` for language-model logits, loss and gradient in one pass.
 
     logits: [T, V] (tokens × vocabulary; flatten leading dims first), float16/bfloat16/float32; target: [T] class
@@ -42,8 +44,26 @@ def cross_entropy(
     logits need not be kept), and the backward only scales it, in place, when the upstream gradient is not 1.
     Under autocast (where PyTorch's cross_entropy computes in float32: CUDA and CPU) the loss is float32, the
     logits read as they are (no float32 copy) and their gradient in their own dtype.
+
+    Options, as Liger's cross_entropy names them, fused into the same passes over the logits: ``softcap`` c > 0
+    caps each logit to c·tanh(x / c) first (Gemma 2/3's final logit softcapping); ``lse_square_scale`` λ ≥ 0 adds
+    the z-loss λ·lse² of each token to its loss; ``return_z_loss`` returns ``(loss, z_loss)``, the z term reduced
+    as the loss is, for logging (it is part of ``loss``, and has no gradient of its own).
     """
-    return _CALLS(logits, target, ignore_index, reduction, label_smoothing, False)
+    return _CALLS(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+                  False)
+
+
+def check_loss_options(op: str, lse_square_scale: Any, softcap: Any, return_z_loss: Any) -> None:
+    """The checks of the loss options the two losses share."""
+    if not isinstance(lse_square_scale, (int, float)) or isinstance(lse_square_scale, bool) \
+            or not 0.0 <= lse_square_scale < math.inf:
+        raise ValueError(f"hkernels.{op}: lse_square_scale must be a finite float >= 0, got {lse_square_scale!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+                                or not 0.0 < softcap < math.inf):
+        raise ValueError(f"hkernels.{op}: softcap must be None or a finite float > 0, got {softcap!r}")
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"hkernels.{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
 
 
 def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
@@ -65,25 +85,27 @@ def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_i
         raise ValueError(f"hkernels.{op}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
 
 
-def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any,
-           float32_loss: bool) -> None:
+def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any, lse_square_scale: Any,
+           softcap: Any, return_z_loss: Any, float32_loss: bool) -> None:
     check_tensor(OP, "logits", logits, (2,))
     check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
+    check_loss_options(OP, lse_square_scale, softcap, return_z_loss)
     if logits.shape[1] == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
 
 
 def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-            float32_loss: bool) -> None:
+            lse_square_scale: float, softcap: float | None, return_z_loss: bool, float32_loss: bool) -> None:
     check_range(OP, "target", target, 0, logits.shape[1], ignore_index)
 
 
 def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-          label_smoothing: float, float32_loss: bool) -> Tensor:
+          label_smoothing: float, lse_square_scale: float, softcap: float | None, return_z_loss: bool,
+          float32_loss: bool) -> Tensor | tuple[Tensor, Tensor]:
     fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
-    loss, _ = call(_fwd, logits, target.to(torch.int64), ignore_index, float(label_smoothing), reduction, fused,
-                   float32_loss, request)
-    return loss
+    loss, _, z = call(_fwd, logits, target.to(torch.int64), ignore_index, float(label_smoothing), reduction, fused,
+                      float32_loss, float(softcap or 0.0), float(lse_square_scale), return_z_loss, request)
+    return (loss, z) if return_z_loss else loss
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -120,41 +142,47 @@ def loss_dtype(logits: Tensor, float32_loss: bool) -> torch.dtype:
 
 @torch.library.custom_op("hkernels::cross_entropy_fwd", mutates_args=())
 def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-         float32_loss: bool, backend: str) -> tuple[Tensor, Tensor]:
+         float32_loss: bool, softcap: float, z_scale: float, want_z: bool, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction)
     # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
     # logits' empty_like would not have it).
     grad = logits.new_empty(logits.shape) if fused_grad else None
+    z = logits.new_zeros(logits.shape[0], dtype=torch.float32) if want_z else None
     if logits.numel() == 0:
         loss = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     else:
         loss = dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, scale, ignore_index,
-                            label_smoothing, grad)
-    loss = reduce(loss, count, reduction, loss_dtype(logits, float32_loss))
-    return loss, grad if grad is not None else placeholder(logits)
+                            label_smoothing, grad, softcap, z_scale, z if z_scale else None)
+    dtype = loss_dtype(logits, float32_loss)
+    z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(logits)
+    return reduce(loss, count, reduction, dtype), grad if grad is not None else placeholder(logits), z_loss
 
 
 @_fwd.register_fake
 def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-      float32_loss: bool, backend: str) -> tuple[Tensor, Tensor]:
+      float32_loss: bool, softcap: float, z_scale: float, want_z: bool, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor]:
     grad = logits.new_empty(logits.shape) if fused_grad else placeholder(logits)
-    return loss_like(logits, logits.shape[0], reduction, loss_dtype(logits, float32_loss)), grad
+    dtype = loss_dtype(logits, float32_loss)
+    z = loss_like(logits, logits.shape[0], reduction, dtype) if want_z else placeholder(logits)
+    return loss_like(logits, logits.shape[0], reduction, dtype), grad, z
 
 
 @torch.library.custom_op("hkernels::cross_entropy_grad", mutates_args=())
-def _grad(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
-          backend: str) -> Tensor:
+def _grad(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: float,
+          z_scale: float, backend: str) -> Tensor:
     # reduction="none": the gradient is made in the backward, scaled per token by dloss as it is written.
     grad = logits.new_empty(logits.shape)  # contiguous (see _fwd)
     if logits.numel():
         dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, dloss.float(), ignore_index,
-                     label_smoothing, grad)
+                     label_smoothing, grad, softcap, z_scale, None)
     return grad
 
 
 @_grad.register_fake
-def _(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
-      backend: str) -> Tensor:
+def _(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: float,
+      z_scale: float, backend: str) -> Tensor:
     return logits.new_empty(logits.shape)
 
 
@@ -172,27 +200,29 @@ def _(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
     return None
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    logits, target, ignore_index, label_smoothing, _reduction, fused_grad, _float32_loss, backend = inputs
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    (logits, target, ignore_index, label_smoothing, _reduction, fused_grad, _float32_loss, softcap, z_scale, _want_z,
+     backend) = inputs
     ctx.fused, ctx.backend = fused_grad, backend
-    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
+    ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
     # The fused path keeps only the gradient; the logits can be freed once the loss is known.
     ctx.save_for_backward(*((output[1],) if fused_grad else (logits, target)))
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])  # (the z term is inside the loss: no gradient of its own)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None) -> tuple[Tensor | None, ...]:
+def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None, _dz: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 8
+        return (None,) * 11
     if ctx.fused:
         (grad,) = ctx.saved_tensors
         call(loss_grad_scale_, grad, dloss, OP, ctx.backend)
     else:
         logits, target = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
-        grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.backend)
-    return grad, None, None, None, None, None, None, None
+        grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale,
+                    ctx.backend)
+    return grad, None, None, None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -202,20 +232,37 @@ autograd(_fwd, _backward, _setup)
 
 
 def reference(
-    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
-) -> Tensor:
-    """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits)."""
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+    *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits), of the logits capped
+    to c·tanh(x / c) with a softcap, plus λ·logsumexp² per token with a z-loss λ (and that term reduced alone,
+    with return_z_loss)."""
     ct = compute_dtype(logits.dtype)
+    y = logits.to(ct)
+    if softcap:
+        y = softcap * torch.tanh(y / softcap)
     loss = torch.nn.functional.cross_entropy(
-        logits.to(ct), target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        y, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
-    return loss.to(logits.dtype)
+    valid = target != ignore_index
+    z = torch.where(valid, lse_square_scale * torch.logsumexp(y, -1).pow(2), 0.0)
+    loss = loss + z
+    count = valid.sum()
+
+    def reduced(rows: Tensor) -> Tensor:
+        out = rows.sum() / count if reduction == "mean" else rows.sum() if reduction == "sum" else rows
+        return out.to(logits.dtype)
+
+    return (reduced(loss), reduced(z)) if return_z_loss else reduced(loss)
 
 
 def cross_entropy_fwd(
-    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
 ) -> Tensor:
-    """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits).
+    """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits); the
+    logits capped first with ``softcap`` > 0, λ·lse² added with ``z_scale`` λ (and written to ``z`` if given).
 
     An out-of-range target (not ignore_index) gives a NaN loss and gradient row, as the kernels do.
     """
@@ -224,15 +271,30 @@ def cross_entropy_fwd(
     valid = target != ignore_index
     in_range = (target >= 0) & (target < V)
     safe = torch.where(valid & in_range, target, 0)
-    logp = torch.log_softmax(logits.to(ct), dim=-1)
+    y = logits.to(ct)
+    if softcap:
+        th = torch.tanh(y / softcap)
+        y = softcap * th
+    logp = torch.log_softmax(y, dim=-1)
     picked = logp.gather(1, safe[:, None])[:, 0]
     loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
     bad = valid & ~in_range
+    if z_scale:
+        lse = torch.logsumexp(y, -1)
+        zr = torch.where(valid, torch.where(bad, float("nan"), z_scale * lse * lse), 0.0)
+        if z is not None:
+            z.copy_(zr)
+        loss = loss + zr
     loss = torch.where(valid, torch.where(bad, float("nan"), loss), 0.0).float()
     if grad is None:
         return loss
-    g = logp.exp() - label_smoothing / V
+    g = logp.exp()
+    if z_scale:
+        g = g * (1.0 + 2.0 * z_scale * lse[:, None])
+    g = g - label_smoothing / V
     g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -(1 - label_smoothing)))
+    if softcap:
+        g = g * (1.0 - th * th)
     s = torch.where(valid, torch.where(bad, float("nan"), scale.to(ct)), 0.0)
     grad.copy_(g * s[:, None])
     return loss

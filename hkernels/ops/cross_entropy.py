@@ -3,6 +3,9 @@
 Math, per row of V logits x with target t and label smoothing ε (rows with t = ignore_index contribute 0):
     lse = log Σ_j exp(x_j),  loss = (1−ε)·(lse − x_t) + ε·(lse − (1/V)·Σ_j x_j)
     ∂loss/∂x_j = softmax(x)_j − (1−ε)·[j = t] − ε/V
+With a logit cap c (Gemma 2/3) the x above are y_j = c·tanh(x_j / c), and ∂loss/∂x_j = ∂loss/∂y_j · (1 − tanh²);
+with a z-loss λ (PaLM's) the loss gains λ·lse² and ∂loss/∂y_j gains 2λ·lse·softmax(y)_j. Both are fused into the
+two passes below: no extra read of the logits.
 A target outside [0, V) that is not ignore_index gives a NaN loss and NaN gradient row: never a silent answer.
 
 The forward, asked for the gradient, writes it in the same call (scaled per row, e.g. by 1/valid rows for a
@@ -34,11 +37,16 @@ def _cross_entropy_fwd(
     target: Tensor,
     scale: Tensor,
     grad: Tensor | None,
+    z: Tensor | None,
     row_stride: int,
     ignore_index: int,
     smoothing: float,
+    softcap: float,
+    z_scale: float,
     smooth: hl.constexpr,
     xt_load: hl.constexpr,
+    capped: hl.constexpr,
+    zloss: hl.constexpr,
 ) -> Tensor:
     # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
     # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
@@ -48,7 +56,8 @@ def _cross_entropy_fwd(
     # does not offer).
     # Per element, pass 1 costs a max, a subtract, a multiply, one exp2 and an add (plus Helion's selects of the
     # partial last block's lanes): exp is written as exp2 of x·log2 e, one MUFU op where libdevice's exp takes a
-    # dozen instructions and makes the pass compute-bound.
+    # dozen instructions and makes the pass compute-bound. capped: each logit read as y = c·tanh(x / c), the
+    # gradient through 1 − tanh²; zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient.
     t_rows, v = logits.size()
     v = hl.specialize(v)
     loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
@@ -63,9 +72,13 @@ def _cross_entropy_fwd(
         if xt_load:
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
+            if capped:
+                x_t = softcap * _tanh(x_t / softcap)
         for tile_v in hl.tile(v):
             # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
             x = logits[tile_t, tile_v].to(torch.float32)
+            if capped:
+                x = softcap * _tanh(x / softcap)
             new_max = torch.maximum(row_max, torch.amax(x, dim=-1))
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -84,15 +97,35 @@ def _cross_entropy_fwd(
         row_loss = (1.0 - smoothing) * (lse - x_t)
         if smooth:
             row_loss = row_loss + smoothing * (lse - x_sum / v)
+        if zloss:
+            zr = torch.where(valid, torch.where(in_range, z_scale * lse * lse, float("nan")), 0.0)
+            z[tile_t] = zr
+            row_loss = row_loss + zr
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
             for tile_w in hl.tile(v):
                 x = logits[tile_t, tile_w].to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
-                g = torch.exp2((x - lse[:, None]) * LOG2E) - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
+                if capped:
+                    th = _tanh(x / softcap)
+                    x = softcap * th
+                p = torch.exp2((x - lse[:, None]) * LOG2E)
+                if zloss:
+                    p = p * (1.0 + 2.0 * z_scale * lse[:, None])
+                g = p - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
+                if capped:
+                    g = g * (1.0 - th * th)
                 grad[tile_t, tile_w] = (g * s[:, None]).to(grad.dtype)
     return loss
+
+
+def _tanh(x: Tensor) -> Tensor:
+    """tanh by exp2 (the Triton interpreter has no libdevice.tanh), exact limits at ±inf; its odd series to x⁷
+    below |x| = 0.2, where 1 − 2 / (e^{2x} + 1) cancels: a relative error under 1e-6 everywhere."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    return torch.where(torch.abs(x) < 0.2, series, 1.0 - 2.0 / (torch.exp2(x * (2.0 * LOG2E)) + 1.0))
 
 
 @helion.kernel(static_shapes=False)
@@ -107,26 +140,37 @@ def _cross_entropy_bwd(grad: Tensor, dloss: Tensor) -> None:
 
 
 def cross_entropy_fwd(
-    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None
+    logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
-    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten)."""
+    scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
+    ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
+    is written to ``z`` [T] float32 when given)."""
     T, V = logits.shape
     if T == 1:  # the Helion 1.5.0 size-1 bug (see _helion.pad_single_row): add a second row, ignored
         logits2, scale2 = _helion.pad_single_row(logits, scale.expand(1))
         target2 = torch.cat([target, target.new_full((1,), ignore_index)])
         grad2 = torch.empty_like(logits2) if grad is not None else None
-        loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2)
+        z2 = torch.empty(2, dtype=torch.float32, device=logits.device) if z is not None else None
+        loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2, softcap, z_scale,
+                                 z2)
         if grad is not None:
             grad.copy_(grad2[:1])
+        if z is not None:
+            z.copy_(z2[:1])
         return loss[:1]
+    zloss = z_scale != 0.0
+    if zloss and z is None:
+        z = torch.empty(T, dtype=torch.float32, device=logits.device)
     # one run of elements from the first row's start to the last row's end: x[target] of row r is at r·stride + t
     flat = logits.as_strided(((T - 1) * logits.stride(0) + V,), (1,))
     # a gradient in the logits' memory (the linear loss writes it over them) takes the race-free x[target]
     xt_load = grad is None or not same_memory(grad, logits)
-    args = (logits, flat, target, scale, grad, logits.stride(0), int(ignore_index), float(label_smoothing),
-            label_smoothing != 0.0, xt_load)
+    args = (logits, flat, target, scale, grad, z if zloss else None, logits.stride(0), int(ignore_index),
+            float(label_smoothing), float(softcap), float(z_scale), label_smoothing != 0.0, xt_load, softcap > 0.0,
+            zloss)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
