@@ -264,25 +264,30 @@ def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool 
 
 
 def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
-                             ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+                             ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                             lse_square_scale: float = 0.0, softcap: float | None = None,
+                             return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
     (triton_fallback/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
     different algorithm)."""
+    from hkernels import references
     from triton_fallback import _chunked
 
     rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
-    losses = [
-        torch.nn.functional.cross_entropy(
-            torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(), target[i:i + rows],
-            ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
-        )
+    parts = [  # (loss, z term) per token of each chunk
+        references.cross_entropy(torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(),
+                                 target[i:i + rows], ignore_index, "none", label_smoothing,
+                                 lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=True)
         for i in range(0, hidden.shape[0], rows)
     ]
-    loss = torch.cat(losses) if losses else hidden.new_zeros(0, dtype=torch.float32)  # T = 0: no chunks
+    empty = hidden.new_zeros(0, dtype=torch.float32)  # T = 0: no chunks
+    loss, z = (torch.cat([p[k] for p in parts]) if parts else empty for k in (0, 1))
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # the op's loss is float32, as HF's is
     if reduction != "none":
-        loss = loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
-    return loss.to(torch.promote_types(hidden.dtype, torch.float32))  # the op's loss is float32, as HF's is
+        count = (target != ignore_index).sum()
+        loss, z = ((t.sum() if reduction == "sum" else t.sum() / count) for t in (loss, z))
+    return (loss.to(dtype), z.to(dtype)) if return_z_loss else loss.to(dtype)
 
 
 _ELEMENTWISE = [(n, s) for n, s in SHAPES if n != "large_n"] + [("long_rows", (2, 100003))]
@@ -356,7 +361,13 @@ CASES_LLM: list[Case] = [
     _flce_case("all_ignored", 4, 16, 50, ignored=1.0),
     _flce_case("chunks", 150, 16, 64, unit=True, min_chunk=64),  # 3 chunks, the last partial
     _flce_case("chunks_none", 150, 16, 64, reduction="none", min_chunk=64),
+    _flce_case("softcap_z", 9, 32, 200, softcap=4.0, lse_square_scale=1e-2),
+    _flce_case("softcap_z_returned_chunks", 150, 16, 64, unit=True, min_chunk=64, softcap=2.0, lse_square_scale=1e-3,
+               return_z_loss=True),
+    _flce_case("softcap_none", 9, 32, 200, reduction="none", softcap=4.0, lse_square_scale=1e-2, return_z_loss=True),
     _flce_case("llama_like", 2048, 512, 32000, bias=False, gpu_only=True),
+    _flce_case("gemma_like_softcap", 1024, 512, 32000, bias=False, softcap=30.0, lse_square_scale=1e-4,
+               gpu_only=True),
     _flce_case("llama_chunks", 3000, 256, 32000, gpu_only=True),
 ]
 

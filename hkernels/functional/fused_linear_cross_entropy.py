@@ -29,6 +29,7 @@ from hkernels.functional._base import (
 )
 from hkernels.functional.cross_entropy import (
     check_loss_args,
+    check_loss_options,
     loss_grad_scale_,
     loss_like,
     loss_scale,
@@ -48,7 +49,11 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-) -> Tensor:
+    *,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the [T, V] logits.
 
     hidden: [T, H] (flatten leading dims first), weight: [V, H] (the LM head), bias: [V] or None, one dtype;
@@ -59,13 +64,15 @@ def fused_linear_cross_entropy(
     plus one chunk of logits. The loss is float32 (float64 for float64 input), as Hugging Face's and Liger's
     losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias. Under autocast
     it behaves as ``cross_entropy(linear(hidden, weight, bias), target)`` does: the matmuls in autocast's dtype, a
-    float32 loss, the gradients in the parameters' own dtypes.
+    float32 loss, the gradients in the parameters' own dtypes. ``softcap``, ``lse_square_scale`` and
+    ``return_z_loss`` as :func:`hkernels.cross_entropy` has them, in the same chunk loop.
     """
-    return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing)
+    return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                  return_z_loss)
 
 
 def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
-           label_smoothing: Any) -> None:
+           label_smoothing: Any, lse_square_scale: Any, softcap: Any, return_z_loss: Any) -> None:
     check_tensor(OP, "hidden", hidden, (2,))
     check_tensor(OP, "weight", weight, (2,))
     T, H = hidden.shape
@@ -82,20 +89,23 @@ def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, 
     if weight.shape[0] == 0:
         raise ValueError("hkernels.fused_linear_cross_entropy: weight has no classes (V = 0)")
     check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
+    check_loss_options(OP, lse_square_scale, softcap, return_z_loss)
 
 
 def _values(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
-            label_smoothing: float) -> None:
+            label_smoothing: float, lse_square_scale: float, softcap: float | None, return_z_loss: bool) -> None:
     check_range(OP, "target", target, 0, weight.shape[0], ignore_index)
 
 
 def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-          reduction: str, label_smoothing: float) -> Tensor:
+          reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+          return_z_loss: bool) -> Tensor | tuple[Tensor, Tensor]:
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    loss, *_ = call(_fwd, hidden, weight, target.to(torch.int64), bias, ignore_index, float(label_smoothing),
-                    reduction, wants_grad and reduction != "none", request)
-    return loss
+    loss, *_, z = call(_fwd, hidden, weight, target.to(torch.int64), bias, ignore_index, float(label_smoothing),
+                       reduction, wants_grad and reduction != "none", float(softcap or 0.0), float(lse_square_scale),
+                       return_z_loss, request)
+    return (loss, z) if return_z_loss else loss
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -103,55 +113,62 @@ def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Te
 
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-         label_smoothing: float, reduction: str, fused_grad: bool, backend: str
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         label_smoothing: float, reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool,
+         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction)
+    z = hidden.new_zeros(hidden.shape[0], dtype=torch.float32) if want_z else None
     loss, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target,
-                                    bias, scale, ignore_index, label_smoothing, fused_grad)
-    loss = reduce(loss, count, reduction, compute_dtype(hidden.dtype))
-    return loss, *(g if g is not None else placeholder(hidden) for g in (dh, dw, db))
+                                    bias, scale, ignore_index, label_smoothing, fused_grad, softcap, z_scale,
+                                    z if z_scale else None)
+    dtype = compute_dtype(hidden.dtype)
+    z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(hidden)
+    return reduce(loss, count, reduction, dtype), *(g if g is not None else placeholder(hidden)
+                                                    for g in (dh, dw, db)), z_loss
 
 
 @_fwd.register_fake
 def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, label_smoothing: float,
-      reduction: str, fused_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = (
         (torch.empty_like(hidden), torch.empty_like(weight),
          torch.empty_like(bias) if bias is not None else placeholder(hidden))
         if fused_grad else tuple(placeholder(hidden) for _ in range(3))
     )
-    loss = loss_like(hidden, hidden.shape[0], reduction).to(compute_dtype(hidden.dtype))
-    return loss, *grads
+    dtype = compute_dtype(hidden.dtype)
+    z = loss_like(hidden, hidden.shape[0], reduction, dtype) if want_z else placeholder(hidden)
+    return loss_like(hidden, hidden.shape[0], reduction, dtype), *grads, z
 
 
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_grad", mutates_args=())
 def _grad(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-          label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+          label_smoothing: float, softcap: float, z_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # reduction="none": recompute each chunk's logits in the backward, with the gradient scaled per token.
     _, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target, bias,
-                                 dloss.float(), ignore_index, label_smoothing, True)
+                                 dloss.float(), ignore_index, label_smoothing, True, softcap, z_scale, None)
     return dh, dw, db if db is not None else placeholder(hidden)
 
 
 @_grad.register_fake
 def _(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-      label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+      label_smoothing: float, softcap: float, z_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else placeholder(hidden))
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, backend = inputs
+    (hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, softcap, z_scale, _want_z,
+     backend) = inputs
     ctx.fused, ctx.backend, ctx.has_bias = fused_grad, backend, bias is not None
-    ctx.ignore_index, ctx.label_smoothing = ignore_index, label_smoothing
-    ctx.save_for_backward(*(output[1:] if fused_grad else (hidden, weight, target, bias)))
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
+    ctx.save_for_backward(*(output[1:4] if fused_grad else (hidden, weight, target, bias)))
+    ctx.mark_non_differentiable(*output[1:])  # (the z term is inside the loss: no gradient of its own)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 9
+        return (None,) * 12
     if ctx.fused:
         dh, dw, db = ctx.saved_tensors
         for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
@@ -160,8 +177,8 @@ def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[
         hidden, weight, target, bias = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         dh, dw, db = call(_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
-                          ctx.backend)
-    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None
+                          ctx.softcap, ctx.z_scale, ctx.backend)
+    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -178,13 +195,19 @@ def reference(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
-) -> Tensor:
+    *,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
     rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
-    as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow."""
+    as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow. The loss
+    options as :func:`hkernels.functional.cross_entropy.reference` takes them."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
-                                   label_smoothing)
+                                   label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+                                   return_z_loss=return_z_loss)
 
 
 # The torch backend: the shared chunk loop around the reference cross-entropy (the [T, V] logits never exist at once).
