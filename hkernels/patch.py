@@ -18,8 +18,9 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
-  logits (the output's ``logits`` is None). Hugging Face's Llama, Mistral, Qwen2 and Qwen3 ``*ForCausalLM``
-  (their shifted loss, ``num_items_in_batch``, ``shift_labels``), and modules that declare how their loss is
+  logits (the output's ``logits`` is None). Hugging Face's Llama, Mistral, Qwen2, Qwen3 and Gemma 1/2/3
+  ``*ForCausalLM`` (their shifted loss, ``num_items_in_batch``, ``shift_labels``, Gemma's final logit softcap), and
+  modules that declare how their loss is
   computed (``hkernels_loss_inputs(input_ids, labels) -> (hidden [..., H], shifted labels [...], output_cls)``,
   as ``bench.model`` does). Calls without labels run the model's own forward.
 - ``moe``: the experts of Hugging Face's mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE and any experts
@@ -485,15 +486,17 @@ def _hf_experts_configs(model: nn.Module) -> list[tuple[str, Any, list[nn.Module
     return list(found.values())
 
 
-# Hugging Face causal LMs whose loss is the plain shifted cross-entropy of ``lm_head(model(...))`` (no logit
-# soft-capping or scaling), patched by class name.
-HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Hugging Face causal LMs whose loss is the shifted cross-entropy of ``lm_head(model(...))``, the logits capped to
+# c·tanh(x / c) where ``config.final_logit_softcapping`` gives c (Gemma 2/3), patched by class name.
+HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None,
                           **kwargs: Any) -> Any:
     """A Hugging Face ``*ForCausalLM.forward`` that, given labels, computes its loss (token t predicts t + 1,
-    ``num_items_in_batch`` and ``shift_labels`` honoured) by the fused linear cross-entropy: no logits."""
+    ``num_items_in_batch`` and ``shift_labels`` honoured, the config's final logit softcap applied) by the fused
+    linear cross-entropy: no logits."""
     if args or (labels is None and kwargs.get("shift_labels") is None):
         return type(self).forward(self, input_ids, *args, labels=labels, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -513,6 +516,7 @@ def _hf_causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, *arg
     loss = _linear_loss.fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device), head.bias,
         ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+        softcap=getattr(self.config, "final_logit_softcapping", None) or None,
     )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)

@@ -660,3 +660,27 @@ def test_hf_patched_llama_trains_under_autocast(backend, dtype, device):
     for step, (g, w, e) in enumerate(zip(got, want, exact, strict=True)):
         allowed = max(2 * abs(w - e), 2 * torch.finfo(torch.bfloat16).eps * abs(w))
         assert abs(g - w) <= allowed, f"step {step}: patched {g:.6f}, unpatched {w:.6f} (float32 {e:.6f})"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_hf_gemma_loss_with_final_logit_softcap_runs_on_the_linear_loss(family, backend, device):
+    """Gemma 2/3 cap their logits (final_logit_softcapping, here 3.0: scores of a few units are changed by it):
+    the patched causal LM's loss, on the fused linear loss with that softcap and Gemma's norms with offset 1,
+    and every gradient match the unpatched model's; no logits."""
+    model, ids = _tiny_windowed(family, device)
+    model.config.final_logit_softcapping = 3.0
+    plain = copy.deepcopy(model)
+    want = plain(input_ids=ids, labels=ids).loss
+    want.backward()
+    done = hkernels.patch(model)
+    try:
+        assert {"fused_linear_cross_entropy", "rms_norm"} <= {r.op for r in done}
+        with hkernels.use_backend(backend):
+            out = model(input_ids=ids, labels=ids)
+            assert out.logits is None
+            out.loss.backward()
+    finally:
+        unpatch(model)
+    torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
+    _same_grads(model, plain)
