@@ -27,7 +27,7 @@ from hkernels.functional._base import trace_all  # noqa: E402
 from hkernels.functional.add_rms_norm import add_rms_norm  # noqa: E402
 from hkernels.functional.attention import attention  # noqa: E402
 from hkernels.functional.attention_varlen import attention_varlen  # noqa: E402
-from hkernels.functional.cross_entropy import cross_entropy  # noqa: E402
+from hkernels.functional.cross_entropy import CrossEntropyOutput, cross_entropy  # noqa: E402
 from hkernels.functional.decode_attention import decode_attention  # noqa: E402
 from hkernels.functional.fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from hkernels.functional.geglu import geglu  # noqa: E402
@@ -49,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "CrossEntropyOutput",
     "HKernelsFallbackWarning",
     "add_rms_norm",
     "attention",

@@ -265,29 +265,36 @@ def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool 
 
 def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                              ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                             lse_square_scale: float = 0.0, softcap: float | None = None,
-                             return_z_loss: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                             lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+                             return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+                             return_entropy: bool = False) -> Any:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
     (triton_fallback/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
-    different algorithm)."""
+    different algorithm). The loss options and metrics as the op takes them."""
     from hkernels import references
+    from hkernels.functional.cross_entropy import loss_output
     from triton_fallback import _chunked
 
     rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
-    parts = [  # (loss, z term) per token of each chunk
+    parts = [  # per token of each chunk: (loss, z term, -, predicted class, entropy)
         references.cross_entropy(torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(),
                                  target[i:i + rows], ignore_index, "none", label_smoothing,
-                                 lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=True)
+                                 lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=True,
+                                 return_predicted_tokens=True, return_entropy=True)
         for i in range(0, hidden.shape[0], rows)
     ]
-    empty = hidden.new_zeros(0, dtype=torch.float32)  # T = 0: no chunks
-    loss, z = (torch.cat([p[k] for p in parts]) if parts else empty for k in (0, 1))
+    def joined(k: int, dtype: torch.dtype) -> Tensor:  # T = 0: no chunks
+        return torch.cat([p[k] for p in parts]) if parts else hidden.new_zeros(0, dtype=dtype)
+
+    loss, z, pred, ent = (joined(k, d) for k, d in ((0, torch.float32), (1, torch.float32), (3, torch.int64),
+                                                   (4, torch.float32)))
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # the op's loss is float32, as HF's is
     if reduction != "none":
         count = (target != ignore_index).sum()
         loss, z = ((t.sum() if reduction == "sum" else t.sum() / count) for t in (loss, z))
-    return (loss.to(dtype), z.to(dtype)) if return_z_loss else loss.to(dtype)
+    returns = (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy)
+    return loss_output(loss.to(dtype), z.to(dtype), pred, ent, target, ignore_index, reduction, returns)
 
 
 _ELEMENTWISE = [(n, s) for n, s in SHAPES if n != "large_n"] + [("long_rows", (2, 100003))]
@@ -348,6 +355,11 @@ CASES_LLM: list[Case] = [
              label_smoothing=0.1, return_z_loss=True),
     _ce_case("softcap_z_sum_one_token", 1, 50, reduction="sum", softcap=2.0, lse_square_scale=1e-2),
     _ce_case("softcap_large_v", 2, 262144, softcap=30.0, lse_square_scale=1e-4),
+    # the metrics trainers log, from the same pass
+    _ce_case("metrics", 9, 301, return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True),
+    _ce_case("metrics_none_softcap", 7, 301, reduction="none", softcap=30.0, return_token_accuracy=True,
+             return_predicted_tokens=True, return_entropy=True, return_z_loss=True, lse_square_scale=1e-3),
+    _ce_case("metrics_all_ignored", 4, 50, ignored=1.0, return_token_accuracy=True, return_entropy=True),
     _ce_case("vocab", 64, 128256, gpu_only=True),
     _ce_case("vocab_softcap_z", 64, 128256, softcap=30.0, lse_square_scale=1e-4, return_z_loss=True, gpu_only=True),
     _ce_case("vocab_unit", 64, 128256, unit=True, gpu_only=True),
@@ -365,6 +377,8 @@ CASES_LLM: list[Case] = [
     _flce_case("softcap_z_returned_chunks", 150, 16, 64, unit=True, min_chunk=64, softcap=2.0, lse_square_scale=1e-3,
                return_z_loss=True),
     _flce_case("softcap_none", 9, 32, 200, reduction="none", softcap=4.0, lse_square_scale=1e-2, return_z_loss=True),
+    _flce_case("metrics_chunks", 150, 16, 64, min_chunk=64, return_token_accuracy=True, return_predicted_tokens=True,
+               return_entropy=True),
     _flce_case("llama_like", 2048, 512, 32000, bias=False, gpu_only=True),
     _flce_case("gemma_like_softcap", 1024, 512, 32000, bias=False, softcap=30.0, lse_square_scale=1e-4,
                gpu_only=True),

@@ -37,12 +37,16 @@ def _cross_entropy_fwd_kernel(
     loss_ptr,  # [T] float32 out
     grad_ptr,  # [T, V] out (logits' dtype), when HAS_GRAD
     z_ptr,  # [T] float32 out: each row's z term λ·lse², when Z_LOSS
+    pred_ptr,  # [T] int64 out: each row's predicted class (its first largest logit; −1 where ignored), when STATS
+    ent_ptr,  # [T] float32 out: each row's entropy of softmax (0 where ignored), when STATS
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
-    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr,
 ):
     # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
-    # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax: fused into the same two passes.
+    # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax; with STATS pass 1 also keeps the
+    # first index of the running max and Σ exp(x − max)·x, for the predicted class and the entropy lse − Σ p·x: all
+    # fused into the same two passes.
     smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     softcap = tl.cast(softcap, tl.float32)
     z_scale = tl.cast(z_scale, tl.float32)
@@ -57,15 +61,24 @@ def _cross_entropy_fwd_kernel(
         row_sum = tl.full([], 0.0, dtype=tl.float32)
         x_sum = tl.full([], 0.0, dtype=tl.float32)
         x_t = tl.full([], 0.0, dtype=tl.float32)
+        arg = tl.full([], 0, dtype=tl.int32)
+        xe_sum = tl.full([], 0.0, dtype=tl.float32)  # Σ exp(x − shift)·x, rescaled as row_sum is
         for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
             if SOFTCAP:
                 x = tl.where(cols < V, softcap * _tanh(x / softcap), -float("inf"))
-            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            block_max = tl.max(x, axis=0)
+            new_max = tl.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            alpha = tl.exp(row_max - shift)
+            p = tl.exp(x - shift)
+            row_sum = row_sum * alpha + tl.sum(p, axis=0)
+            if STATS:  # the first index of a strictly larger max; −inf logits add nothing (0·−inf would be NaN)
+                first = tl.min(tl.where(x == block_max, cols, V), axis=0)
+                arg = tl.where(block_max > row_max, first, arg)
+                xe_sum = xe_sum * alpha + tl.sum(tl.where(x > -float("inf"), p * x, 0.0), axis=0)
             row_max = new_max
             x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
             if HAS_GRAD and not XT_BARRIER:
@@ -90,6 +103,9 @@ def _cross_entropy_fwd_kernel(
             loss += z
         loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
         tl.store(loss_ptr + row64, loss)
+        if STATS:
+            tl.store(pred_ptr + row64, tl.where(valid, arg.to(tl.int64), -1))
+            tl.store(ent_ptr + row64, tl.where(valid, lse - xe_sum / row_sum, 0.0))
         if HAS_GRAD:
             if XT_BARRIER:
                 # Every warp's x[t] load is performed before the barrier completes (bar.sync orders the CTA's
@@ -156,13 +172,14 @@ GRAD_XT = "barrier"
 
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
-    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
     ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
-    is written to ``z`` [T] float32 when given)."""
+    is written to ``z`` [T] float32 when given); ``stats`` (pred [T] int64, entropy [T] float32): each row's
+    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     tuned = tuned_settings("cross_entropy", V, logits.device)  # from python -m hkernels.tune, if it ran here
@@ -176,10 +193,11 @@ def cross_entropy_fwd(
         z = torch.empty(T, dtype=torch.float32, device=logits.device)
     launch(_cross_entropy_fwd_kernel, grid,
         logits, target, scale, loss, grad if grad is not None else loss, z if z is not None else loss,
+        *(stats if stats is not None else (loss, loss)),
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
-        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, num_warps=warps,
+        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, num_warps=warps,
     )
     return loss
 

@@ -8,7 +8,7 @@ Kernels: ``hkernels/ops/cross_entropy.py`` (Helion), ``triton_fallback/cross_ent
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,10 +30,25 @@ OP = "cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What the losses return when asked for more than the loss (the fields of Liger's ``CrossEntropyOutput``, and
+    the entropy): each None unless asked for. ``z_loss`` is reduced as the loss is; ``token_accuracy`` and
+    ``entropy`` are means over the tokens kept (per token, 0 where ignored, with reduction "none");
+    ``predicted_tokens`` [T] int64 is each token's argmax class, −1 where ignored. All computed in the loss's own
+    pass over the logits, none differentiable but ``loss``."""
+
+    loss: Tensor
+    z_loss: Tensor | None = None
+    token_accuracy: Tensor | None = None
+    predicted_tokens: Tensor | None = None
+    entropy: Tensor | None = None
+
+
 def cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
     *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_token_accuracy: bool = False, return_predicted_tokens: bool = False, return_entropy: bool = False,
+) -> Tensor | CrossEntropyOutput:
     """``torch.nn.functional.cross_entropy`` for language-model logits, loss and gradient in one pass.
 
     logits: [T, V] (tokens × vocabulary; flatten leading dims first), float16/bfloat16/float32; target: [T] class
@@ -47,14 +62,17 @@ def cross_entropy(
 
     Options, as Liger's cross_entropy names them, fused into the same passes over the logits: ``softcap`` c > 0
     caps each logit to c·tanh(x / c) first (Gemma 2/3's final logit softcapping); ``lse_square_scale`` λ ≥ 0 adds
-    the z-loss λ·lse² of each token to its loss; ``return_z_loss`` returns ``(loss, z_loss)``, the z term reduced
-    as the loss is, for logging (it is part of ``loss``, and has no gradient of its own).
+    the z-loss λ·lse² of each token to its loss. The metrics trainers log, from the same pass (no logits kept for
+    them): ``return_z_loss`` (the z term, reduced as the loss is: it is part of ``loss``),
+    ``return_token_accuracy``, ``return_predicted_tokens`` and ``return_entropy`` (of each token's softmax). With
+    any of them the result is a :class:`CrossEntropyOutput` (a NamedTuple: Liger's field names, and entropy), else
+    the loss.
     """
-    return _CALLS(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
-                  False)
+    return _CALLS(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), False)
 
 
-def check_loss_options(op: str, lse_square_scale: Any, softcap: Any, return_z_loss: Any) -> None:
+def check_loss_options(op: str, lse_square_scale: Any, softcap: Any, returns: Any) -> None:
     """The checks of the loss options the two losses share."""
     if not isinstance(lse_square_scale, (int, float)) or isinstance(lse_square_scale, bool) \
             or not 0.0 <= lse_square_scale < math.inf:
@@ -62,8 +80,29 @@ def check_loss_options(op: str, lse_square_scale: Any, softcap: Any, return_z_lo
     if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
                                 or not 0.0 < softcap < math.inf):
         raise ValueError(f"hkernels.{op}: softcap must be None or a finite float > 0, got {softcap!r}")
-    if not isinstance(return_z_loss, bool):
-        raise TypeError(f"hkernels.{op}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    for name, flag in zip(RETURNS, returns, strict=True):
+        if not isinstance(flag, bool):
+            raise TypeError(f"hkernels.{op}: {name} must be a bool, got {type(flag).__name__}")
+
+
+RETURNS = ("return_z_loss", "return_token_accuracy", "return_predicted_tokens", "return_entropy")
+
+
+def loss_output(loss: Tensor, z: Tensor, pred: Tensor, ent: Tensor, target: Tensor, ignore_index: int,
+                reduction: str, returns: tuple[bool, bool, bool, bool]) -> Tensor | CrossEntropyOutput:
+    """The loss, or the :class:`CrossEntropyOutput` the ``returns`` flags ask for, from the custom op's outputs: the
+    reduced z term, each row's predicted class and entropy (the accuracy follows from the prediction)."""
+    if not any(returns):
+        return loss
+    want_z, want_acc, want_pred, want_ent = returns
+    valid = target != ignore_index
+
+    def per_token_mean(rows: Tensor) -> Tensor:  # the metrics: a mean over the kept tokens, or per token
+        return rows if reduction == "none" else rows.sum() / valid.sum()
+
+    accuracy = per_token_mean(((pred == target) & valid).float()) if want_acc else None
+    return CrossEntropyOutput(loss, z if want_z else None, accuracy, pred if want_pred else None,
+                              per_token_mean(ent) if want_ent else None)
 
 
 def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
@@ -86,26 +125,28 @@ def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_i
 
 
 def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any, lse_square_scale: Any,
-           softcap: Any, return_z_loss: Any, float32_loss: bool) -> None:
+           softcap: Any, returns: Any, float32_loss: bool) -> None:
     check_tensor(OP, "logits", logits, (2,))
     check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
-    check_loss_options(OP, lse_square_scale, softcap, return_z_loss)
+    check_loss_options(OP, lse_square_scale, softcap, returns)
     if logits.shape[1] == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
 
 
 def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-            lse_square_scale: float, softcap: float | None, return_z_loss: bool, float32_loss: bool) -> None:
+            lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...], float32_loss: bool) -> None:
     check_range(OP, "target", target, 0, logits.shape[1], ignore_index)
 
 
 def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-          label_smoothing: float, lse_square_scale: float, softcap: float | None, return_z_loss: bool,
-          float32_loss: bool) -> Tensor | tuple[Tensor, Tensor]:
+          label_smoothing: float, lse_square_scale: float, softcap: float | None,
+          returns: tuple[bool, bool, bool, bool], float32_loss: bool) -> Tensor | CrossEntropyOutput:
     fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
-    loss, _, z = call(_fwd, logits, target.to(torch.int64), ignore_index, float(label_smoothing), reduction, fused,
-                      float32_loss, float(softcap or 0.0), float(lse_square_scale), return_z_loss, request)
-    return (loss, z) if return_z_loss else loss
+    target = target.to(torch.int64)
+    loss, _, z, pred, ent = call(_fwd, logits, target, ignore_index, float(label_smoothing), reduction, fused,
+                                 float32_loss, float(softcap or 0.0), float(lse_square_scale), returns[0],
+                                 any(returns[1:]), request)
+    return loss_output(loss, z, pred, ent, target, ignore_index, reduction, returns)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -135,6 +176,11 @@ def loss_like(logits: Tensor, t: int, reduction: str, dtype: torch.dtype | None 
     return logits.new_empty(() if reduction != "none" else (t,), dtype=dtype)
 
 
+def stats_like(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Buffers for each row's predicted class (int64) and entropy (float32)."""
+    return (x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0], dtype=torch.float32))
+
+
 def loss_dtype(logits: Tensor, float32_loss: bool) -> torch.dtype:
     """The loss's dtype: the logits' own, or at least float32 (under autocast: PyTorch's loss there)."""
     return compute_dtype(logits.dtype) if float32_loss else logits.dtype
@@ -142,31 +188,35 @@ def loss_dtype(logits: Tensor, float32_loss: bool) -> torch.dtype:
 
 @torch.library.custom_op("hkernels::cross_entropy_fwd", mutates_args=())
 def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-         float32_loss: bool, softcap: float, z_scale: float, want_z: bool, backend: str
-         ) -> tuple[Tensor, Tensor, Tensor]:
+         float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction)
     # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
     # logits' empty_like would not have it).
     grad = logits.new_empty(logits.shape) if fused_grad else None
     z = logits.new_zeros(logits.shape[0], dtype=torch.float32) if want_z else None
+    stats = stats_like(logits) if want_stats else None
     if logits.numel() == 0:
         loss = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     else:
         loss = dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, scale, ignore_index,
-                            label_smoothing, grad, softcap, z_scale, z if z_scale else None)
+                            label_smoothing, grad, softcap, z_scale, z if z_scale else None, stats)
     dtype = loss_dtype(logits, float32_loss)
     z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(logits)
-    return reduce(loss, count, reduction, dtype), grad if grad is not None else placeholder(logits), z_loss
+    pred, ent = stats if stats is not None else (placeholder(target), placeholder(logits))
+    return (reduce(loss, count, reduction, dtype), grad if grad is not None else placeholder(logits), z_loss, pred,
+            ent)
 
 
 @_fwd.register_fake
 def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-      float32_loss: bool, softcap: float, z_scale: float, want_z: bool, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor]:
+      float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad = logits.new_empty(logits.shape) if fused_grad else placeholder(logits)
     dtype = loss_dtype(logits, float32_loss)
     z = loss_like(logits, logits.shape[0], reduction, dtype) if want_z else placeholder(logits)
-    return loss_like(logits, logits.shape[0], reduction, dtype), grad, z
+    pred, ent = stats_like(logits) if want_stats else (placeholder(target), placeholder(logits))
+    return loss_like(logits, logits.shape[0], reduction, dtype), grad, z, pred, ent
 
 
 @torch.library.custom_op("hkernels::cross_entropy_grad", mutates_args=())
@@ -200,20 +250,20 @@ def _(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
     return None
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     (logits, target, ignore_index, label_smoothing, _reduction, fused_grad, _float32_loss, softcap, z_scale, _want_z,
-     backend) = inputs
+     _want_stats, backend) = inputs
     ctx.fused, ctx.backend = fused_grad, backend
     ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
     # The fused path keeps only the gradient; the logits can be freed once the loss is known.
     ctx.save_for_backward(*((output[1],) if fused_grad else (logits, target)))
-    ctx.mark_non_differentiable(output[1], output[2])  # (the z term is inside the loss: no gradient of its own)
+    ctx.mark_non_differentiable(*output[1:])  # (the z term is inside the loss: no gradient of its own)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None, _dz: Tensor | None) -> tuple[Tensor | None, ...]:
+def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 11
+        return (None,) * 12
     if ctx.fused:
         (grad,) = ctx.saved_tensors
         call(loss_grad_scale_, grad, dloss, OP, ctx.backend)
@@ -222,7 +272,7 @@ def _backward(ctx: Any, dloss: Tensor | None, _dgrad: Tensor | None, _dz: Tensor
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale,
                     ctx.backend)
-    return grad, None, None, None, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -234,10 +284,11 @@ autograd(_fwd, _backward, _setup)
 def reference(
     logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
     *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_token_accuracy: bool = False, return_predicted_tokens: bool = False, return_entropy: bool = False,
+) -> Tensor | CrossEntropyOutput:
     """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits), of the logits capped
-    to c·tanh(x / c) with a softcap, plus λ·logsumexp² per token with a z-loss λ (and that term reduced alone,
-    with return_z_loss)."""
+    to c·tanh(x / c) with a softcap, plus λ·logsumexp² per token with a z-loss λ; the metrics as the op returns
+    them."""
     ct = compute_dtype(logits.dtype)
     y = logits.to(ct)
     if softcap:
@@ -254,15 +305,20 @@ def reference(
         out = rows.sum() / count if reduction == "mean" else rows.sum() if reduction == "sum" else rows
         return out.to(logits.dtype)
 
-    return (reduced(loss), reduced(z)) if return_z_loss else reduced(loss)
+    returns = (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy)
+    pred = torch.where(valid, y.argmax(-1), -1)
+    p = torch.softmax(y, -1)
+    ent = torch.where(valid, -(p * torch.where(p > 0, torch.log(p), 0.0)).sum(-1), 0.0)
+    return loss_output(reduced(loss), reduced(z), pred, ent, target, ignore_index, reduction, returns)
 
 
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
-    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits); the
-    logits capped first with ``softcap`` > 0, λ·lse² added with ``z_scale`` λ (and written to ``z`` if given).
+    logits capped first with ``softcap`` > 0, λ·lse² added with ``z_scale`` λ (and written to ``z`` if given), each
+    row's predicted class and softmax entropy written to ``stats`` (−1 and 0 where ignored) if given.
 
     An out-of-range target (not ignore_index) gives a NaN loss and gradient row, as the kernels do.
     """
@@ -276,6 +332,9 @@ def cross_entropy_fwd(
         th = torch.tanh(y / softcap)
         y = softcap * th
     logp = torch.log_softmax(y, dim=-1)
+    if stats is not None:
+        stats[0].copy_(torch.where(valid, y.argmax(-1), -1))
+        stats[1].copy_(torch.where(valid, -(logp.exp() * torch.where(logp > -math.inf, logp, 0.0)).sum(-1), 0.0))
     picked = logp.gather(1, safe[:, None])[:, 0]
     loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
     bad = valid & ~in_range

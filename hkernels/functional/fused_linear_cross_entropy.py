@@ -28,12 +28,15 @@ from hkernels.functional._base import (
     rows,
 )
 from hkernels.functional.cross_entropy import (
+    CrossEntropyOutput,
     check_loss_args,
     check_loss_options,
     loss_grad_scale_,
     loss_like,
+    loss_output,
     loss_scale,
     reduce,
+    stats_like,
 )
 from hkernels.functional.cross_entropy import reference as cross_entropy_reference
 from triton_fallback import _chunked
@@ -53,7 +56,10 @@ def fused_linear_cross_entropy(
     lse_square_scale: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    return_entropy: bool = False,
+) -> Tensor | CrossEntropyOutput:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the [T, V] logits.
 
     hidden: [T, H] (flatten leading dims first), weight: [V, H] (the LM head), bias: [V] or None, one dtype;
@@ -64,15 +70,15 @@ def fused_linear_cross_entropy(
     plus one chunk of logits. The loss is float32 (float64 for float64 input), as Hugging Face's and Liger's
     losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias. Under autocast
     it behaves as ``cross_entropy(linear(hidden, weight, bias), target)`` does: the matmuls in autocast's dtype, a
-    float32 loss, the gradients in the parameters' own dtypes. ``softcap``, ``lse_square_scale`` and
-    ``return_z_loss`` as :func:`hkernels.cross_entropy` has them, in the same chunk loop.
+    float32 loss, the gradients in the parameters' own dtypes. ``softcap``, ``lse_square_scale`` and the
+    ``return_*`` metrics as :func:`hkernels.cross_entropy` has them, computed in the same chunk loop.
     """
     return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                  return_z_loss)
+                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy))
 
 
 def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
-           label_smoothing: Any, lse_square_scale: Any, softcap: Any, return_z_loss: Any) -> None:
+           label_smoothing: Any, lse_square_scale: Any, softcap: Any, returns: Any) -> None:
     check_tensor(OP, "hidden", hidden, (2,))
     check_tensor(OP, "weight", weight, (2,))
     T, H = hidden.shape
@@ -89,23 +95,24 @@ def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, 
     if weight.shape[0] == 0:
         raise ValueError("hkernels.fused_linear_cross_entropy: weight has no classes (V = 0)")
     check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
-    check_loss_options(OP, lse_square_scale, softcap, return_z_loss)
+    check_loss_options(OP, lse_square_scale, softcap, returns)
 
 
 def _values(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
-            label_smoothing: float, lse_square_scale: float, softcap: float | None, return_z_loss: bool) -> None:
+            label_smoothing: float, lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...]) -> None:
     check_range(OP, "target", target, 0, weight.shape[0], ignore_index)
 
 
 def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
           reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-          return_z_loss: bool) -> Tensor | tuple[Tensor, Tensor]:
+          returns: tuple[bool, bool, bool, bool]) -> Tensor | CrossEntropyOutput:
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    loss, *_, z = call(_fwd, hidden, weight, target.to(torch.int64), bias, ignore_index, float(label_smoothing),
-                       reduction, wants_grad and reduction != "none", float(softcap or 0.0), float(lse_square_scale),
-                       return_z_loss, request)
-    return (loss, z) if return_z_loss else loss
+    target = target.to(torch.int64)
+    loss, _, _, _, z, pred, ent = call(_fwd, hidden, weight, target, bias, ignore_index, float(label_smoothing),
+                                       reduction, wants_grad and reduction != "none", float(softcap or 0.0),
+                                       float(lse_square_scale), returns[0], any(returns[1:]), request)
+    return loss_output(loss, z, pred, ent, target, ignore_index, reduction, returns)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -114,22 +121,24 @@ def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Te
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
          label_smoothing: float, reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool,
-         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+         want_stats: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction)
     z = hidden.new_zeros(hidden.shape[0], dtype=torch.float32) if want_z else None
+    stats = stats_like(hidden) if want_stats else None
     loss, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target,
                                     bias, scale, ignore_index, label_smoothing, fused_grad, softcap, z_scale,
-                                    z if z_scale else None)
+                                    z if z_scale else None, stats)
     dtype = compute_dtype(hidden.dtype)
     z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(hidden)
-    return reduce(loss, count, reduction, dtype), *(g if g is not None else placeholder(hidden)
-                                                    for g in (dh, dw, db)), z_loss
+    pred, ent = stats if stats is not None else (placeholder(target), placeholder(hidden))
+    return (reduce(loss, count, reduction, dtype), *(g if g is not None else placeholder(hidden)
+                                                     for g in (dh, dw, db)), z_loss, pred, ent)
 
 
 @_fwd.register_fake
 def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, label_smoothing: float,
-      reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = (
         (torch.empty_like(hidden), torch.empty_like(weight),
          torch.empty_like(bias) if bias is not None else placeholder(hidden))
@@ -137,7 +146,8 @@ def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignor
     )
     dtype = compute_dtype(hidden.dtype)
     z = loss_like(hidden, hidden.shape[0], reduction, dtype) if want_z else placeholder(hidden)
-    return loss_like(hidden, hidden.shape[0], reduction, dtype), *grads, z
+    pred, ent = stats_like(hidden) if want_stats else (placeholder(target), placeholder(hidden))
+    return loss_like(hidden, hidden.shape[0], reduction, dtype), *grads, z, pred, ent
 
 
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_grad", mutates_args=())
@@ -158,7 +168,7 @@ def _(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tenso
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     (hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, softcap, z_scale, _want_z,
-     backend) = inputs
+     _want_stats, backend) = inputs
     ctx.fused, ctx.backend, ctx.has_bias = fused_grad, backend, bias is not None
     ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
     ctx.save_for_backward(*(output[1:4] if fused_grad else (hidden, weight, target, bias)))
@@ -168,7 +178,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> Non
 
 def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 12
+        return (None,) * 13
     if ctx.fused:
         dh, dw, db = ctx.saved_tensors
         for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
@@ -178,7 +188,7 @@ def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         dh, dw, db = call(_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
                           ctx.softcap, ctx.z_scale, ctx.backend)
-    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None
+    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -199,7 +209,10 @@ def reference(
     lse_square_scale: float = 0.0,
     softcap: float | None = None,
     return_z_loss: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    return_entropy: bool = False,
+) -> Tensor | CrossEntropyOutput:
     """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
     rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
     as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow. The loss
@@ -207,7 +220,8 @@ def reference(
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
                                    label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-                                   return_z_loss=return_z_loss)
+                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                                   return_predicted_tokens=return_predicted_tokens, return_entropy=return_entropy)
 
 
 # The torch backend: the shared chunk loop around the reference cross-entropy (the [T, V] logits never exist at once).

@@ -38,6 +38,8 @@ def _cross_entropy_fwd(
     scale: Tensor,
     grad: Tensor | None,
     z: Tensor | None,
+    pred: Tensor | None,
+    ent: Tensor | None,
     row_stride: int,
     ignore_index: int,
     smoothing: float,
@@ -47,6 +49,7 @@ def _cross_entropy_fwd(
     xt_load: hl.constexpr,
     capped: hl.constexpr,
     zloss: hl.constexpr,
+    stats: hl.constexpr,
 ) -> Tensor:
     # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
     # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
@@ -57,7 +60,9 @@ def _cross_entropy_fwd(
     # Per element, pass 1 costs a max, a subtract, a multiply, one exp2 and an add (plus Helion's selects of the
     # partial last block's lanes): exp is written as exp2 of x·log2 e, one MUFU op where libdevice's exp takes a
     # dozen instructions and makes the pass compute-bound. capped: each logit read as y = c·tanh(x / c), the
-    # gradient through 1 − tanh²; zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient.
+    # gradient through 1 − tanh²; zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient;
+    # stats: pass 1 also keeps the first index of the running max and Σ exp(x − max)·x, for each row's predicted
+    # class (pred, −1 where ignored) and its softmax's entropy lse − Σ p·x (ent, 0 where ignored).
     t_rows, v = logits.size()
     v = hl.specialize(v)
     loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
@@ -69,6 +74,8 @@ def _cross_entropy_fwd(
         row_sum = hl.zeros([tile_t], dtype=torch.float32)  # Σ exp2((x − row_max)·log2 e)
         x_sum = hl.zeros([tile_t], dtype=torch.float32)
         x_t = hl.zeros([tile_t], dtype=torch.float32)
+        arg = hl.zeros([tile_t], dtype=torch.int32)
+        xe_sum = hl.zeros([tile_t], dtype=torch.float32)  # Σ exp2((x − row_max)·log2 e)·x
         if xt_load:
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
@@ -79,11 +86,17 @@ def _cross_entropy_fwd(
             x = logits[tile_t, tile_v].to(torch.float32)
             if capped:
                 x = softcap * _tanh(x / softcap)
-            new_max = torch.maximum(row_max, torch.amax(x, dim=-1))
+            block_max = torch.amax(x, dim=-1)
+            new_max = torch.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
             p = torch.exp2((x - shift[:, None]) * LOG2E)
-            row_sum = row_sum * torch.exp2((row_max - shift) * LOG2E) + torch.sum(p, dim=-1)
+            alpha = torch.exp2((row_max - shift) * LOG2E)
+            row_sum = row_sum * alpha + torch.sum(p, dim=-1)
+            if stats:  # the first index of a strictly larger max; −inf logits add nothing (0·−inf would be NaN)
+                first = torch.amin(torch.where(x == block_max[:, None], tile_v.index[None, :], v), dim=-1)
+                arg = torch.where(block_max > row_max, first, arg)
+                xe_sum = xe_sum * alpha + torch.sum(torch.where(x > float("-inf"), p * x, 0.0), dim=-1)
             row_max = new_max
             if smooth:
                 x_sum = x_sum + torch.sum(x, dim=-1)
@@ -102,6 +115,9 @@ def _cross_entropy_fwd(
             z[tile_t] = zr
             row_loss = row_loss + zr
         loss[tile_t] = torch.where(valid, torch.where(in_range, row_loss, float("nan")), 0.0)
+        if stats:
+            pred[tile_t] = torch.where(valid, arg, -1).to(torch.int64)
+            ent[tile_t] = torch.where(valid, lse - xe_sum / row_sum, 0.0)
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
             for tile_w in hl.tile(v):
@@ -141,25 +157,27 @@ def _cross_entropy_bwd(grad: Tensor, dloss: Tensor) -> None:
 
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
-    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None,
+    softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
     ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
-    is written to ``z`` [T] float32 when given)."""
+    is written to ``z`` [T] float32 when given); ``stats`` (pred [T] int64, entropy [T] float32): each row's
+    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there."""
     T, V = logits.shape
     if T == 1:  # the Helion 1.5.0 size-1 bug (see _helion.pad_single_row): add a second row, ignored
         logits2, scale2 = _helion.pad_single_row(logits, scale.expand(1))
         target2 = torch.cat([target, target.new_full((1,), ignore_index)])
         grad2 = torch.empty_like(logits2) if grad is not None else None
         z2 = torch.empty(2, dtype=torch.float32, device=logits.device) if z is not None else None
+        stats2 = (torch.empty(2, dtype=torch.int64, device=logits.device),
+                  torch.empty(2, dtype=torch.float32, device=logits.device)) if stats is not None else None
         loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2, softcap, z_scale,
-                                 z2)
-        if grad is not None:
-            grad.copy_(grad2[:1])
-        if z is not None:
-            z.copy_(z2[:1])
+                                 z2, stats2)
+        for mine, padded in ((grad, grad2), (z, z2), *zip(stats or (), stats2 or (), strict=True)):
+            if mine is not None:
+                mine.copy_(padded[:1])
         return loss[:1]
     zloss = z_scale != 0.0
     if zloss and z is None:
@@ -168,9 +186,10 @@ def cross_entropy_fwd(
     flat = logits.as_strided(((T - 1) * logits.stride(0) + V,), (1,))
     # a gradient in the logits' memory (the linear loss writes it over them) takes the race-free x[target]
     xt_load = grad is None or not same_memory(grad, logits)
-    args = (logits, flat, target, scale, grad, z if zloss else None, logits.stride(0), int(ignore_index),
+    pred, ent = stats if stats is not None else (None, None)
+    args = (logits, flat, target, scale, grad, z if zloss else None, pred, ent, logits.stride(0), int(ignore_index),
             float(label_smoothing), float(softcap), float(z_scale), label_smoothing != 0.0, xt_load, softcap > 0.0,
-            zloss)
+            zloss, stats is not None)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
