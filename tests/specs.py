@@ -242,21 +242,24 @@ def _targets(g: torch.Generator, t: int, v: int, ignored: float = 0.2, ignore_in
 
 
 def _ce_case(name: str, t: int, v: int, unit: bool = False, ignored: float = 0.2, gpu_only: bool = False,
-             **kwargs: Any) -> Case:
+             weighted: bool = False, **kwargs: Any) -> Case:
+    """``weighted``: class weights drawn in [0.25, 2)."""
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         target = _targets(g, t, v, ignored, kwargs.get("ignore_index", -100))
-        return {"logits": _randn(g, t, v, scale=3.0)}, {"target": target, **kwargs}
+        extra = {"weight": torch.rand(v, generator=g, dtype=torch.float64) * 1.75 + 0.25} if weighted else {}
+        return {"logits": _randn(g, t, v, scale=3.0)}, {"target": target, **kwargs, **extra}
 
     return Case("cross_entropy", name, make, ("logits",), unit_upstream=unit, gpu_only=gpu_only)
 
 
 def _flce_case(name: str, t: int, h: int, v: int, bias: bool = True, unit: bool = False, ignored: float = 0.2,
-               gpu_only: bool = False, min_chunk: int | None = None, **kwargs: Any) -> Case:
+               gpu_only: bool = False, min_chunk: int | None = None, weighted: bool = False, **kwargs: Any) -> Case:
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         tensors = {"hidden": _randn(g, t, h), "weight": _randn(g, v, h, scale=h**-0.5)}
         if bias:
             tensors["bias"] = _randn(g, v, scale=0.5)
-        return tensors, {"target": _targets(g, t, v, ignored), **kwargs}
+        extra = {"ce_weight": torch.rand(v, generator=g, dtype=torch.float64) * 1.75 + 0.25} if weighted else {}
+        return tensors, {"target": _targets(g, t, v, ignored), **kwargs, **extra}
 
     grads = ("hidden", "weight", "bias") if bias else ("hidden", "weight")
     return Case("fused_linear_cross_entropy", name, make, grads, unit_upstream=unit, gpu_only=gpu_only,
@@ -267,7 +270,7 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
                              ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                              lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                              return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                             return_entropy: bool = False) -> Any:
+                             return_entropy: bool = False, ce_weight: Tensor | None = None) -> Any:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
     (triton_fallback/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
@@ -281,7 +284,7 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
         references.cross_entropy(torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(),
                                  target[i:i + rows], ignore_index, "none", label_smoothing,
                                  lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=True,
-                                 return_predicted_tokens=True, return_entropy=True)
+                                 return_predicted_tokens=True, return_entropy=True, weight=ce_weight)
         for i in range(0, hidden.shape[0], rows)
     ]
     def joined(k: int, dtype: torch.dtype) -> Tensor:  # T = 0: no chunks
@@ -291,7 +294,9 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
                                                    (4, torch.float32)))
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # the op's loss is float32, as HF's is
     if reduction != "none":
-        count = (target != ignore_index).sum()
+        valid = target != ignore_index
+        count = valid.sum() if ce_weight is None else torch.where(valid, ce_weight[torch.where(valid, target, 0)],
+                                                                  0.0).sum()
         loss, z = ((t.sum() if reduction == "sum" else t.sum() / count) for t in (loss, z))
     returns = (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy)
     return loss_output(loss.to(dtype), z.to(dtype), pred, ent, target, ignore_index, reduction, returns)
@@ -360,6 +365,12 @@ CASES_LLM: list[Case] = [
     _ce_case("metrics_none_softcap", 7, 301, reduction="none", softcap=30.0, return_token_accuracy=True,
              return_predicted_tokens=True, return_entropy=True, return_z_loss=True, lse_square_scale=1e-3),
     _ce_case("metrics_all_ignored", 4, 50, ignored=1.0, return_token_accuracy=True, return_entropy=True),
+    # class weights, as F.cross_entropy's
+    _ce_case("weighted", 9, 301, weighted=True),
+    _ce_case("weighted_smoothing_sum", 9, 301, weighted=True, reduction="sum", label_smoothing=0.1),
+    _ce_case("weighted_smoothing_none_softcap_z", 7, 301, weighted=True, reduction="none", label_smoothing=0.2,
+             softcap=5.0, lse_square_scale=1e-2),
+    _ce_case("weighted_unit", 9, 500, weighted=True, unit=True, label_smoothing=0.1),
     _ce_case("vocab", 64, 128256, gpu_only=True),
     _ce_case("vocab_softcap_z", 64, 128256, softcap=30.0, lse_square_scale=1e-4, return_z_loss=True, gpu_only=True),
     _ce_case("vocab_unit", 64, 128256, unit=True, gpu_only=True),
@@ -379,6 +390,8 @@ CASES_LLM: list[Case] = [
     _flce_case("softcap_none", 9, 32, 200, reduction="none", softcap=4.0, lse_square_scale=1e-2, return_z_loss=True),
     _flce_case("metrics_chunks", 150, 16, 64, min_chunk=64, return_token_accuracy=True, return_predicted_tokens=True,
                return_entropy=True),
+    _flce_case("weighted_smoothing_chunks", 150, 16, 64, min_chunk=64, weighted=True, label_smoothing=0.1),
+    _flce_case("weighted_none", 9, 32, 200, weighted=True, reduction="none"),
     _flce_case("llama_like", 2048, 512, 32000, bias=False, gpu_only=True),
     _flce_case("gemma_like_softcap", 1024, 512, 32000, bias=False, softcap=30.0, lse_square_scale=1e-4,
                gpu_only=True),

@@ -170,10 +170,11 @@ def test_llm_custom_op_registration(op, fused, device):
         "rope": lambda a: (ops.rope_fwd.default, (a[0], a[1], a[2][None], a[3][None], "")),
         "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, "")),
         "cross_entropy": lambda a: (ops.cross_entropy_fwd.default,
-                                    (a[0], a[1], -100, 0.1, "mean", fused, False, 3.0, 1e-2, True, True, "")),
+                                    (a[0], a[1], -100, 0.1, "mean", fused, False, 3.0, 1e-2, True, True,
+                                     torch.rand(a[0].shape[1], device=a[0].device) + 0.5, "")),
         "fused_linear_cross_entropy": lambda a: (
             ops.fused_linear_cross_entropy_fwd.default,
-            (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, 2.0, 1e-3, True, True, "")
+            (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, 2.0, 1e-3, True, True, None, "")
         ),
         "matmul": lambda a: (ops.matmul_fwd.default, (a[0], a[1], a[2], "silu", True, "")),
         "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, -1, 0, 0.0, "")),

@@ -72,12 +72,14 @@ def linear_cross_entropy(
     z_scale: float = 0.0,
     z: Tensor | None = None,
     stats: tuple[Tensor, Tensor] | None = None,
+    class_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """hidden [T, H], weight [V, H], target [T], bias [V] or None (one dtype), scale [T] float32 (the gradients'
     factor per token) -> (loss [T] float32, grad_hidden [T, H], grad_weight [V, H], grad_bias [V]) — gradients None
     unless ``with_grad``; each in its input's dtype. ``cross_entropy_fwd`` is a backend's kernel (its contract),
     given the loss options: the logit ``softcap``, the z-loss ``z_scale`` (each token's z term written to ``z``
-    [T] float32 when given) and ``stats`` (each token's predicted class and entropy written there when given)."""
+    [T] float32 when given), ``stats`` (each token's predicted class and entropy written there when given) and the
+    classes' weights ``class_weight`` [V] float32."""
     T, H = hidden.shape
     V = weight.shape[0]
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
@@ -90,7 +92,8 @@ def linear_cross_entropy(
         grad = logits if with_grad else None  # the gradient overwrites the logits in place
         rows_loss = cross_entropy_fwd(logits, target[start:end], scale[start:end], ignore_index, label_smoothing, grad,
                                       softcap, z_scale, z[start:end] if z is not None else None,
-                                      tuple(t[start:end] for t in stats) if stats is not None else None)
+                                      tuple(t[start:end] for t in stats) if stats is not None else None,
+                                      class_weight)
         loss[start:end] = rows_loss
         if grad is not None:
             assert grad_hidden is not None and grad_weight is not None
@@ -123,13 +126,14 @@ def backend_functions(cross_entropy: ModuleType) -> tuple[Callable[..., Any], Ca
         z_scale: float = 0.0,
         z: Tensor | None = None,
         stats: tuple[Tensor, Tensor] | None = None,
+        class_weight: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """hidden [T, H], weight [V, H], target [T], bias [V] or None, scale [T] float32 -> (loss [T] float32,
         grad_hidden, grad_weight, grad_bias: the gradients of Σ scale·loss, or None unless ``with_grad``); the
         logits capped with ``softcap`` > 0, the z-loss ``z_scale`` added (each token's term into ``z``), each
-        token's predicted class and entropy into ``stats``."""
+        token's predicted class and entropy into ``stats``, the classes' weights ``class_weight``."""
         return linear_cross_entropy(hidden, weight, target, bias, scale, ignore_index, label_smoothing, with_grad,
-                                    cross_entropy.cross_entropy_fwd, None, softcap, z_scale, z, stats)
+                                    cross_entropy.cross_entropy_fwd, None, softcap, z_scale, z, stats, class_weight)
 
     def fused_linear_cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
         """grad [R, C] *= dloss [R] in place (rows with factor 1 untouched): scales the gradients the forward

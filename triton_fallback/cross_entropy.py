@@ -39,14 +39,16 @@ def _cross_entropy_fwd_kernel(
     z_ptr,  # [T] float32 out: each row's z term λ·lse², when Z_LOSS
     pred_ptr,  # [T] int64 out: each row's predicted class (its first largest logit; −1 where ignored), when STATS
     ent_ptr,  # [T] float32 out: each row's entropy of softmax (0 where ignored), when STATS
+    w_ptr,  # [V] float32: the classes' weights, when WEIGHTED
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
-    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr,
+    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
     # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax; with STATS pass 1 also keeps the
     # first index of the running max and Σ exp(x − max)·x, for the predicted class and the entropy lse − Σ p·x: all
-    # fused into the same two passes.
+    # fused into the same two passes. WEIGHTED (class weights w, as F.cross_entropy's): the target's term scaled by
+    # w_t, the smoothing term by each class's w_j (Σ w_j x_j and Σ w_j summed in pass 1, w_j read again in pass 2).
     smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     softcap = tl.cast(softcap, tl.float32)
     z_scale = tl.cast(z_scale, tl.float32)
@@ -62,6 +64,7 @@ def _cross_entropy_fwd_kernel(
         x_sum = tl.full([], 0.0, dtype=tl.float32)
         x_t = tl.full([], 0.0, dtype=tl.float32)
         arg = tl.full([], 0, dtype=tl.int32)
+        w_sum = tl.full([], 0.0, dtype=tl.float32)  # Σ w_j (WEIGHTED with smoothing; else V)
         xe_sum = tl.full([], 0.0, dtype=tl.float32)  # Σ exp(x − shift)·x, rescaled as row_sum is
         for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_V)
@@ -80,7 +83,12 @@ def _cross_entropy_fwd_kernel(
                 arg = tl.where(block_max > row_max, first, arg)
                 xe_sum = xe_sum * alpha + tl.sum(tl.where(x > -float("inf"), p * x, 0.0), axis=0)
             row_max = new_max
-            x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+            if WEIGHTED:
+                w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
+                x_sum += tl.sum(tl.where(cols < V, x * w, 0.0), axis=0)
+                w_sum += tl.sum(w, axis=0)
+            else:
+                x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
             if HAS_GRAD and not XT_BARRIER:
                 # x_t picked out in passing, inside the block's reductions. A separate load of x[t] after pass 1
                 # races with pass 2 when the gradient overwrites the logits: another warp may store the gradient
@@ -96,7 +104,15 @@ def _cross_entropy_fwd_kernel(
                 x_t = softcap * _tanh(x_t / softcap)
         # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
         # Differences before scaling, as PyTorch's: lse − x_t cancels exactly where it should (one logit: 0)
-        loss = (1.0 - smoothing) * (lse - x_t) + tl.where(smoothing != 0.0, smoothing * (lse - x_sum / V), 0.0)
+        if WEIGHTED:
+            w_t = tl.load(w_ptr + t, mask=valid & in_range, other=0.0)
+            loss = (1.0 - smoothing) * w_t * (lse - x_t) + tl.where(
+                smoothing != 0.0, smoothing * (w_sum * lse - x_sum) / V, 0.0)
+            p_factor = (1.0 - smoothing) * w_t + smoothing * w_sum / V  # of softmax in the gradient
+            if Z_LOSS:
+                p_factor += 2.0 * z_scale * lse  # (the z term is not weighted)
+        else:
+            loss = (1.0 - smoothing) * (lse - x_t) + tl.where(smoothing != 0.0, smoothing * (lse - x_sum / V), 0.0)
         if Z_LOSS:
             z = tl.where(valid, tl.where(in_range, z_scale * lse * lse, float("nan")), 0.0)
             tl.store(z_ptr + row64, z)
@@ -122,9 +138,13 @@ def _cross_entropy_fwd_kernel(
                     th = _tanh(x / softcap)
                     x = softcap * th
                 p = tl.exp(x - lse)
-                if Z_LOSS:
-                    p = p * (1.0 + 2.0 * z_scale * lse)
-                g = p - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+                if WEIGHTED:
+                    w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
+                    g = p * p_factor - smoothing * w / V - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)
+                else:
+                    if Z_LOSS:
+                        p = p * (1.0 + 2.0 * z_scale * lse)
+                    g = p - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
                 if SOFTCAP:
                     g = g * (1.0 - th * th)
                 tl.store(g_row + cols, (g * s).to(grad_ptr.dtype.element_ty), mask=cols < V)
@@ -173,13 +193,15 @@ GRAD_XT = "barrier"
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
     softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
+    weight: Tensor | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
     ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
     is written to ``z`` [T] float32 when given); ``stats`` (pred [T] int64, entropy [T] float32): each row's
-    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there."""
+    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there; ``weight`` [V]
+    float32: the classes' weights (F.cross_entropy's), unreduced."""
     T, V = logits.shape
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     tuned = tuned_settings("cross_entropy", V, logits.device)  # from python -m hkernels.tune, if it ran here
@@ -193,11 +215,11 @@ def cross_entropy_fwd(
         z = torch.empty(T, dtype=torch.float32, device=logits.device)
     launch(_cross_entropy_fwd_kernel, grid,
         logits, target, scale, loss, grad if grad is not None else loss, z if z is not None else loss,
-        *(stats if stats is not None else (loss, loss)),
+        *(stats if stats is not None else (loss, loss)), weight if weight is not None else loss,
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
-        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, num_warps=warps,
+        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None, num_warps=warps,
     )
     return loss
 

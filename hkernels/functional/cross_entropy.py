@@ -48,6 +48,7 @@ def cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
     *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
     return_token_accuracy: bool = False, return_predicted_tokens: bool = False, return_entropy: bool = False,
+    weight: Tensor | None = None,
 ) -> Tensor | CrossEntropyOutput:
     """``torch.nn.functional.cross_entropy`` for language-model logits, loss and gradient in one pass.
 
@@ -66,10 +67,13 @@ def cross_entropy(
     them): ``return_z_loss`` (the z term, reduced as the loss is: it is part of ``loss``),
     ``return_token_accuracy``, ``return_predicted_tokens`` and ``return_entropy`` (of each token's softmax). With
     any of them the result is a :class:`CrossEntropyOutput` (a NamedTuple: Liger's field names, and entropy), else
-    the loss.
+    the loss. ``weight`` [V]: each class's weight, as ``F.cross_entropy`` takes it (keyword-only here; a mean
+    divides by the kept tokens' weights; the z term and the metrics are not weighted).
     """
+    if isinstance(weight, Tensor) and weight.is_floating_point():  # (a class weight takes no gradient, as in PyTorch)
+        weight = weight.detach().float()
     return _CALLS(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), False)
+                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), weight, False)
 
 
 def check_loss_options(op: str, lse_square_scale: Any, softcap: Any, returns: Any) -> None:
@@ -105,6 +109,18 @@ def loss_output(loss: Tensor, z: Tensor, pred: Tensor, ent: Tensor, target: Tens
                               per_token_mean(ent) if want_ent else None)
 
 
+def check_class_weight(op: str, weight: Any, v: int, device: torch.device) -> None:
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(f"hkernels.{op}: weight must be None or a floating-point tensor of the classes' weights, got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    if weight.shape != (v,):
+        raise ValueError(f"hkernels.{op}: weight must have shape [V] = [{v}], got {list(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"hkernels.{op}: weight is on {weight.device} but the inputs are on {device}")
+
+
 def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_index: Any, reduction: Any,
                     label_smoothing: Any) -> None:
     """The checks the two losses share."""
@@ -125,39 +141,54 @@ def check_loss_args(op: str, target: Any, t: int, device: torch.device, ignore_i
 
 
 def _check(logits: Any, target: Any, ignore_index: Any, reduction: Any, label_smoothing: Any, lse_square_scale: Any,
-           softcap: Any, returns: Any, float32_loss: bool) -> None:
+           softcap: Any, returns: Any, weight: Any, float32_loss: bool) -> None:
     check_tensor(OP, "logits", logits, (2,))
     check_loss_args(OP, target, logits.shape[0], logits.device, ignore_index, reduction, label_smoothing)
     check_loss_options(OP, lse_square_scale, softcap, returns)
+    check_class_weight(OP, weight, logits.shape[1], logits.device)
     if logits.shape[1] == 0:
         raise ValueError("hkernels.cross_entropy: logits has no classes (V = 0)")
 
 
 def _values(logits: Tensor, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-            lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...], float32_loss: bool) -> None:
+            lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...], weight: Tensor | None,
+            float32_loss: bool) -> None:
     check_range(OP, "target", target, 0, logits.shape[1], ignore_index)
+
+
+def routed(arguments: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The tensors the kernels take: the logits and the targets (a class weight reaches them as float32 whatever
+    its dtype)."""
+    return tuple(t for t in (arguments.get("logits"), arguments.get("target")) if isinstance(t, Tensor))
 
 
 def _body(request: str, logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
           label_smoothing: float, lse_square_scale: float, softcap: float | None,
-          returns: tuple[bool, bool, bool, bool], float32_loss: bool) -> Tensor | CrossEntropyOutput:
+          returns: tuple[bool, bool, bool, bool], weight: Tensor | None,
+          float32_loss: bool) -> Tensor | CrossEntropyOutput:
     fused = reduction != "none" and logits.requires_grad and torch.is_grad_enabled()
     target = target.to(torch.int64)
     loss, _, z, pred, ent = call(_fwd, logits, target, ignore_index, float(label_smoothing), reduction, fused,
                                  float32_loss, float(softcap or 0.0), float(lse_square_scale), returns[0],
-                                 any(returns[1:]), request)
+                                 any(returns[1:]), weight, request)
     return loss_output(loss, z, pred, ent, target, ignore_index, reduction, returns)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
 
 
-def loss_scale(target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
-    """(valid-token count, the gradient's factor per token [T] float32): 1/count for a mean, else 1.
+def loss_scale(target: Tensor, ignore_index: int, reduction: str, weight: Tensor | None = None
+               ) -> tuple[Tensor, Tensor]:
+    """(valid-token count, the gradient's factor per token [T] float32): 1/count for a mean, else 1. With class
+    weights the count is the kept tokens' weights summed, as F.cross_entropy's mean divides by.
 
     Both stay on the device: no host sync, so a call can be captured in a CUDA graph.
     """
-    count = (target != ignore_index).sum()
+    valid = target != ignore_index
+    if weight is not None:
+        count = torch.where(valid, weight[torch.where(valid, target, 0).clamp(0, weight.shape[0] - 1)], 0.0).sum()
+    else:
+        count = valid.sum()
     T = target.shape[0]
     if reduction == "mean":
         return count, (1.0 / count.to(torch.float32)).reshape(1).expand(T)
@@ -188,9 +219,9 @@ def loss_dtype(logits: Tensor, float32_loss: bool) -> torch.dtype:
 
 @torch.library.custom_op("hkernels::cross_entropy_fwd", mutates_args=())
 def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-         float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    count, scale = loss_scale(target, ignore_index, reduction)
+         float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, weight: Tensor | None,
+         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    count, scale = loss_scale(target, ignore_index, reduction, weight)
     # Contiguous whatever logits' layout: the Triton kernel writes rows of unit column stride (a transposed
     # logits' empty_like would not have it).
     grad = logits.new_empty(logits.shape) if fused_grad else None
@@ -200,7 +231,7 @@ def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: flo
         loss = logits.new_zeros(logits.shape[0], dtype=torch.float32)
     else:
         loss = dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, scale, ignore_index,
-                            label_smoothing, grad, softcap, z_scale, z if z_scale else None, stats)
+                            label_smoothing, grad, softcap, z_scale, z if z_scale else None, stats, weight)
     dtype = loss_dtype(logits, float32_loss)
     z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(logits)
     pred, ent = stats if stats is not None else (placeholder(target), placeholder(logits))
@@ -210,8 +241,8 @@ def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: flo
 
 @_fwd.register_fake
 def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, reduction: str, fused_grad: bool,
-      float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      float32_loss: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, weight: Tensor | None,
+      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grad = logits.new_empty(logits.shape) if fused_grad else placeholder(logits)
     dtype = loss_dtype(logits, float32_loss)
     z = loss_like(logits, logits.shape[0], reduction, dtype) if want_z else placeholder(logits)
@@ -221,18 +252,18 @@ def _(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
 
 @torch.library.custom_op("hkernels::cross_entropy_grad", mutates_args=())
 def _grad(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: float,
-          z_scale: float, backend: str) -> Tensor:
+          z_scale: float, weight: Tensor | None, backend: str) -> Tensor:
     # reduction="none": the gradient is made in the backward, scaled per token by dloss as it is written.
     grad = logits.new_empty(logits.shape)  # contiguous (see _fwd)
     if logits.numel():
         dispatch.run(OP, "cross_entropy_fwd", backend, rows(logits), target, dloss.float(), ignore_index,
-                     label_smoothing, grad, softcap, z_scale, None)
+                     label_smoothing, grad, softcap, z_scale, None, None, weight)
     return grad
 
 
 @_grad.register_fake
 def _(dloss: Tensor, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: float,
-      z_scale: float, backend: str) -> Tensor:
+      z_scale: float, weight: Tensor | None, backend: str) -> Tensor:
     return logits.new_empty(logits.shape)
 
 
@@ -252,27 +283,27 @@ def _(grad: Tensor, dloss: Tensor, op: str, backend: str) -> None:
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     (logits, target, ignore_index, label_smoothing, _reduction, fused_grad, _float32_loss, softcap, z_scale, _want_z,
-     _want_stats, backend) = inputs
+     _want_stats, weight, backend) = inputs
     ctx.fused, ctx.backend = fused_grad, backend
     ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
     # The fused path keeps only the gradient; the logits can be freed once the loss is known.
-    ctx.save_for_backward(*((output[1],) if fused_grad else (logits, target)))
+    ctx.save_for_backward(*((output[1],) if fused_grad else (logits, target, weight)))
     ctx.mark_non_differentiable(*output[1:])  # (the z term is inside the loss: no gradient of its own)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 12
+        return (None,) * 13
     if ctx.fused:
         (grad,) = ctx.saved_tensors
         call(loss_grad_scale_, grad, dloss, OP, ctx.backend)
     else:
-        logits, target = ctx.saved_tensors
+        logits, target, weight = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         grad = call(_grad, dloss, logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale,
-                    ctx.backend)
-    return grad, None, None, None, None, None, None, None, None, None, None, None
+                    weight, ctx.backend)
+    return grad, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -285,6 +316,7 @@ def reference(
     logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
     *, lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
     return_token_accuracy: bool = False, return_predicted_tokens: bool = False, return_entropy: bool = False,
+    weight: Tensor | None = None,
 ) -> Tensor | CrossEntropyOutput:
     """torch.nn.functional.cross_entropy over logits [T, V] (float32 math for 16-bit logits), of the logits capped
     to c·tanh(x / c) with a softcap, plus λ·logsumexp² per token with a z-loss λ; the metrics as the op returns
@@ -293,13 +325,14 @@ def reference(
     y = logits.to(ct)
     if softcap:
         y = softcap * torch.tanh(y / softcap)
+    w = weight.to(ct) if weight is not None else None
     loss = torch.nn.functional.cross_entropy(
-        y, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+        y, target, weight=w, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
     valid = target != ignore_index
     z = torch.where(valid, lse_square_scale * torch.logsumexp(y, -1).pow(2), 0.0)
     loss = loss + z
-    count = valid.sum()
+    count = valid.sum() if w is None else torch.where(valid, w[torch.where(valid, target, 0)], 0.0).sum()
 
     def reduced(rows: Tensor) -> Tensor:
         out = rows.sum() / count if reduction == "mean" else rows.sum() if reduction == "sum" else rows
@@ -315,10 +348,12 @@ def reference(
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
     softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
+    weight: Tensor | None = None,
 ) -> Tensor:
     """logits [T, V], target [T], scale [T] -> loss [T] float32; gradient·scale into ``grad`` (may be logits); the
     logits capped first with ``softcap`` > 0, λ·lse² added with ``z_scale`` λ (and written to ``z`` if given), each
-    row's predicted class and softmax entropy written to ``stats`` (−1 and 0 where ignored) if given.
+    row's predicted class and softmax entropy written to ``stats`` (−1 and 0 where ignored) if given; the classes'
+    ``weight`` [V] as F.cross_entropy's.
 
     An out-of-range target (not ignore_index) gives a NaN loss and gradient row, as the kernels do.
     """
@@ -336,7 +371,10 @@ def cross_entropy_fwd(
         stats[0].copy_(torch.where(valid, y.argmax(-1), -1))
         stats[1].copy_(torch.where(valid, -(logp.exp() * torch.where(logp > -math.inf, logp, 0.0)).sum(-1), 0.0))
     picked = logp.gather(1, safe[:, None])[:, 0]
-    loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
+    w = weight.to(ct) if weight is not None else None
+    w_t = w[safe] if w is not None else 1.0
+    smooth = (logp * w).sum(-1) / V if w is not None else logp.mean(-1)
+    loss = -(1 - label_smoothing) * w_t * picked - label_smoothing * smooth
     bad = valid & ~in_range
     if z_scale:
         lse = torch.logsumexp(y, -1)
@@ -348,10 +386,14 @@ def cross_entropy_fwd(
     if grad is None:
         return loss
     g = logp.exp()
-    if z_scale:
-        g = g * (1.0 + 2.0 * z_scale * lse[:, None])
-    g = g - label_smoothing / V
-    g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -(1 - label_smoothing)))
+    z_factor = 2.0 * z_scale * lse[:, None] if z_scale else 0.0  # the z term's, not weighted
+    if w is not None:  # ∂/∂x_k = p_k·((1−ε)·w_t + ε·Σw/V + 2λ·lse) − (1−ε)·w_t·[k = t] − ε·w_k/V
+        g = g * (((1 - label_smoothing) * w_t + label_smoothing * w.sum() / V)[:, None] + z_factor) \
+            - label_smoothing * w / V
+        g.scatter_add_(1, safe[:, None], (-(1 - label_smoothing) * w_t)[:, None])
+    else:
+        g = g * (1.0 + z_factor) - label_smoothing / V
+        g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -(1 - label_smoothing)))
     if softcap:
         g = g * (1.0 - th * th)
     s = torch.where(valid, torch.where(bad, float("nan"), scale.to(ct)), 0.0)

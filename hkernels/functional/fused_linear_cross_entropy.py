@@ -29,6 +29,7 @@ from hkernels.functional._base import (
 )
 from hkernels.functional.cross_entropy import (
     CrossEntropyOutput,
+    check_class_weight,
     check_loss_args,
     check_loss_options,
     loss_grad_scale_,
@@ -59,6 +60,7 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
     return_entropy: bool = False,
+    ce_weight: Tensor | None = None,
 ) -> Tensor | CrossEntropyOutput:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the [T, V] logits.
 
@@ -71,14 +73,17 @@ def fused_linear_cross_entropy(
     losses are: a bfloat16 loss near 12 steps by 0.06. Differentiable in hidden, weight and bias. Under autocast
     it behaves as ``cross_entropy(linear(hidden, weight, bias), target)`` does: the matmuls in autocast's dtype, a
     float32 loss, the gradients in the parameters' own dtypes. ``softcap``, ``lse_square_scale`` and the
-    ``return_*`` metrics as :func:`hkernels.cross_entropy` has them, computed in the same chunk loop.
+    ``return_*`` metrics as :func:`hkernels.cross_entropy` has them, computed in the same chunk loop;
+    ``ce_weight`` [V] its class ``weight`` (Liger's name: ``weight`` here is the head's).
     """
+    if isinstance(ce_weight, Tensor) and ce_weight.is_floating_point():  # (no gradient, as in PyTorch)
+        ce_weight = ce_weight.detach().float()
     return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy))
+                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), ce_weight)
 
 
 def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
-           label_smoothing: Any, lse_square_scale: Any, softcap: Any, returns: Any) -> None:
+           label_smoothing: Any, lse_square_scale: Any, softcap: Any, returns: Any, ce_weight: Any) -> None:
     check_tensor(OP, "hidden", hidden, (2,))
     check_tensor(OP, "weight", weight, (2,))
     T, H = hidden.shape
@@ -96,22 +101,30 @@ def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, 
         raise ValueError("hkernels.fused_linear_cross_entropy: weight has no classes (V = 0)")
     check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
     check_loss_options(OP, lse_square_scale, softcap, returns)
+    check_class_weight(OP, ce_weight, weight.shape[0], hidden.device)
 
 
 def _values(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
-            label_smoothing: float, lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...]) -> None:
+            label_smoothing: float, lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...],
+            ce_weight: Tensor | None) -> None:
     check_range(OP, "target", target, 0, weight.shape[0], ignore_index)
+
+
+def routed(arguments: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The tensors the kernels take (a class weight reaches them as float32 whatever its dtype)."""
+    names = ("hidden", "weight", "target", "bias")
+    return tuple(t for t in (arguments.get(n) for n in names) if isinstance(t, Tensor))
 
 
 def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
           reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-          returns: tuple[bool, bool, bool, bool]) -> Tensor | CrossEntropyOutput:
+          returns: tuple[bool, bool, bool, bool], ce_weight: Tensor | None) -> Tensor | CrossEntropyOutput:
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     target = target.to(torch.int64)
     loss, _, _, _, z, pred, ent = call(_fwd, hidden, weight, target, bias, ignore_index, float(label_smoothing),
                                        reduction, wants_grad and reduction != "none", float(softcap or 0.0),
-                                       float(lse_square_scale), returns[0], any(returns[1:]), request)
+                                       float(lse_square_scale), returns[0], any(returns[1:]), ce_weight, request)
     return loss_output(loss, z, pred, ent, target, ignore_index, reduction, returns)
 
 
@@ -121,13 +134,14 @@ def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Te
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
          label_smoothing: float, reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool,
-         want_stats: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    count, scale = loss_scale(target, ignore_index, reduction)
+         want_stats: bool, ce_weight: Tensor | None, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    count, scale = loss_scale(target, ignore_index, reduction, ce_weight)
     z = hidden.new_zeros(hidden.shape[0], dtype=torch.float32) if want_z else None
     stats = stats_like(hidden) if want_stats else None
     loss, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target,
                                     bias, scale, ignore_index, label_smoothing, fused_grad, softcap, z_scale,
-                                    z if z_scale else None, stats)
+                                    z if z_scale else None, stats, ce_weight)
     dtype = compute_dtype(hidden.dtype)
     z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(hidden)
     pred, ent = stats if stats is not None else (placeholder(target), placeholder(hidden))
@@ -137,8 +151,8 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ig
 
 @_fwd.register_fake
 def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, label_smoothing: float,
-      reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+      reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool,
+      ce_weight: Tensor | None, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = (
         (torch.empty_like(hidden), torch.empty_like(weight),
          torch.empty_like(bias) if bias is not None else placeholder(hidden))
@@ -152,43 +166,46 @@ def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignor
 
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_grad", mutates_args=())
 def _grad(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-          label_smoothing: float, softcap: float, z_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+          label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, backend: str
+          ) -> tuple[Tensor, Tensor, Tensor]:
     # reduction="none": recompute each chunk's logits in the backward, with the gradient scaled per token.
     _, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target, bias,
-                                 dloss.float(), ignore_index, label_smoothing, True, softcap, z_scale, None)
+                                 dloss.float(), ignore_index, label_smoothing, True, softcap, z_scale, None, None,
+                                 ce_weight)
     return dh, dw, db if db is not None else placeholder(hidden)
 
 
 @_grad.register_fake
 def _(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-      label_smoothing: float, softcap: float, z_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+      label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else placeholder(hidden))
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     (hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, softcap, z_scale, _want_z,
-     _want_stats, backend) = inputs
+     _want_stats, ce_weight, backend) = inputs
     ctx.fused, ctx.backend, ctx.has_bias = fused_grad, backend, bias is not None
     ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
-    ctx.save_for_backward(*(output[1:4] if fused_grad else (hidden, weight, target, bias)))
+    ctx.save_for_backward(*(output[1:4] if fused_grad else (hidden, weight, target, bias, ce_weight)))
     ctx.mark_non_differentiable(*output[1:])  # (the z term is inside the loss: no gradient of its own)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 13
+        return (None,) * 14
     if ctx.fused:
         dh, dw, db = ctx.saved_tensors
         for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
             call(loss_grad_scale_, g, dloss, OP, ctx.backend)
     else:
-        hidden, weight, target, bias = ctx.saved_tensors
+        hidden, weight, target, bias, ce_weight = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         dh, dw, db = call(_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
-                          ctx.softcap, ctx.z_scale, ctx.backend)
-    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None
+                          ctx.softcap, ctx.z_scale, ce_weight, ctx.backend)
+    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -212,6 +229,7 @@ def reference(
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
     return_entropy: bool = False,
+    ce_weight: Tensor | None = None,
 ) -> Tensor | CrossEntropyOutput:
     """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
     rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
@@ -221,7 +239,8 @@ def reference(
     return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
                                    label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
                                    return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                   return_predicted_tokens=return_predicted_tokens, return_entropy=return_entropy)
+                                   return_predicted_tokens=return_predicted_tokens, return_entropy=return_entropy,
+                                   weight=ce_weight)
 
 
 # The torch backend: the shared chunk loop around the reference cross-entropy (the [T, V] logits never exist at once).

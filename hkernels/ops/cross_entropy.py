@@ -40,6 +40,7 @@ def _cross_entropy_fwd(
     z: Tensor | None,
     pred: Tensor | None,
     ent: Tensor | None,
+    class_weight: Tensor | None,
     row_stride: int,
     ignore_index: int,
     smoothing: float,
@@ -50,6 +51,7 @@ def _cross_entropy_fwd(
     capped: hl.constexpr,
     zloss: hl.constexpr,
     stats: hl.constexpr,
+    weighted: hl.constexpr,
 ) -> Tensor:
     # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
     # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
@@ -62,7 +64,8 @@ def _cross_entropy_fwd(
     # dozen instructions and makes the pass compute-bound. capped: each logit read as y = c·tanh(x / c), the
     # gradient through 1 − tanh²; zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient;
     # stats: pass 1 also keeps the first index of the running max and Σ exp(x − max)·x, for each row's predicted
-    # class (pred, −1 where ignored) and its softmax's entropy lse − Σ p·x (ent, 0 where ignored).
+    # class (pred, −1 where ignored) and its softmax's entropy lse − Σ p·x (ent, 0 where ignored); weighted (class
+    # weights w [V] float32, F.cross_entropy's): the target's term scaled by w_t, the smoothing term by each w_j.
     t_rows, v = logits.size()
     v = hl.specialize(v)
     loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
@@ -76,6 +79,7 @@ def _cross_entropy_fwd(
         x_t = hl.zeros([tile_t], dtype=torch.float32)
         arg = hl.zeros([tile_t], dtype=torch.int32)
         xe_sum = hl.zeros([tile_t], dtype=torch.float32)  # Σ exp2((x − row_max)·log2 e)·x
+        w_sum = hl.zeros([tile_t], dtype=torch.float32)  # Σ w_j (weighted with smoothing)
         if xt_load:
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
@@ -99,7 +103,12 @@ def _cross_entropy_fwd(
                 xe_sum = xe_sum * alpha + torch.sum(torch.where(x > float("-inf"), p * x, 0.0), dim=-1)
             row_max = new_max
             if smooth:
-                x_sum = x_sum + torch.sum(x, dim=-1)
+                if weighted:
+                    w = class_weight[tile_v]
+                    x_sum = x_sum + torch.sum(x * w[None, :], dim=-1)
+                    w_sum = w_sum + torch.sum(w[None, :] + 0.0 * x, dim=-1)
+                else:
+                    x_sum = x_sum + torch.sum(x, dim=-1)
             if not xt_load:
                 x_t = x_t + torch.sum(torch.where(tile_v.index[None, :] == tgt[:, None], x, 0.0), dim=-1)
         lse = row_max + torch.log(row_sum)
@@ -107,9 +116,15 @@ def _cross_entropy_fwd(
         # it should (one logit: 0), where lse − (1−ε)·x_t − ε·mean(x) would leave an error of an ulp of |x| (large
         # logits, V = 1). Without smoothing the Σx term is left out, not multiplied by 0: a -inf logit would make it
         # 0·(-inf) = NaN where PyTorch's loss is finite or +inf.
-        row_loss = (1.0 - smoothing) * (lse - x_t)
+        w_t = hl.full([tile_t], 1.0, dtype=torch.float32)
+        if weighted:
+            w_t = hl.load(class_weight, [torch.where(valid & in_range, tgt, 0)])
+        row_loss = (1.0 - smoothing) * w_t * (lse - x_t)
         if smooth:
-            row_loss = row_loss + smoothing * (lse - x_sum / v)
+            if weighted:
+                row_loss = row_loss + smoothing * (w_sum * lse - x_sum) / v
+            else:
+                row_loss = row_loss + smoothing * (lse - x_sum / v)
         if zloss:
             zr = torch.where(valid, torch.where(in_range, z_scale * lse * lse, float("nan")), 0.0)
             z[tile_t] = zr
@@ -127,9 +142,19 @@ def _cross_entropy_fwd(
                     th = _tanh(x / softcap)
                     x = softcap * th
                 p = torch.exp2((x - lse[:, None]) * LOG2E)
-                if zloss:
-                    p = p * (1.0 + 2.0 * z_scale * lse[:, None])
-                g = p - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
+                if weighted:  # p's factor (1−ε)·w_t + ε·Σw/V, and the z term's 2λ·lse (not weighted)
+                    w = class_weight[tile_w]
+                    p_factor = (1.0 - smoothing) * w_t
+                    if smooth:
+                        p_factor = p_factor + smoothing * w_sum / v
+                    if zloss:
+                        p_factor = p_factor + 2.0 * z_scale * lse
+                    g = (p * p_factor[:, None] - smoothing * w[None, :] / v
+                         - torch.where(hit, (1.0 - smoothing) * w_t[:, None], 0.0))
+                else:
+                    if zloss:
+                        p = p * (1.0 + 2.0 * z_scale * lse[:, None])
+                    g = p - smoothing / v - torch.where(hit, 1.0 - smoothing, 0.0)
                 if capped:
                     g = g * (1.0 - th * th)
                 grad[tile_t, tile_w] = (g * s[:, None]).to(grad.dtype)
@@ -158,13 +183,15 @@ def _cross_entropy_bwd(grad: Tensor, dloss: Tensor) -> None:
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
     softcap: float = 0.0, z_scale: float = 0.0, z: Tensor | None = None, stats: tuple[Tensor, Tensor] | None = None,
+    weight: Tensor | None = None,
 ) -> Tensor:
     """logits [T, V] (unit column stride), target [T] int64, scale [T] float32 (any stride: the gradient's factor
     per row) -> loss [T] float32 per row. When ``grad`` [T, V] (unit column stride) is given, the gradient times
     scale is written there; it may be ``logits`` itself (each element is read before it is overwritten).
     ``softcap`` > 0: the logits capped to c·tanh(x / c) first; ``z_scale`` > 0: λ·lse² joins each row's loss (and
     is written to ``z`` [T] float32 when given); ``stats`` (pred [T] int64, entropy [T] float32): each row's
-    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there."""
+    predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there; ``weight`` [V]
+    float32: the classes' weights (F.cross_entropy's), unreduced."""
     T, V = logits.shape
     if T == 1:  # the Helion 1.5.0 size-1 bug (see _helion.pad_single_row): add a second row, ignored
         logits2, scale2 = _helion.pad_single_row(logits, scale.expand(1))
@@ -174,7 +201,7 @@ def cross_entropy_fwd(
         stats2 = (torch.empty(2, dtype=torch.int64, device=logits.device),
                   torch.empty(2, dtype=torch.float32, device=logits.device)) if stats is not None else None
         loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2, softcap, z_scale,
-                                 z2, stats2)
+                                 z2, stats2, weight)
         for mine, padded in ((grad, grad2), (z, z2), *zip(stats or (), stats2 or (), strict=True)):
             if mine is not None:
                 mine.copy_(padded[:1])
@@ -187,9 +214,9 @@ def cross_entropy_fwd(
     # a gradient in the logits' memory (the linear loss writes it over them) takes the race-free x[target]
     xt_load = grad is None or not same_memory(grad, logits)
     pred, ent = stats if stats is not None else (None, None)
-    args = (logits, flat, target, scale, grad, z if zloss else None, pred, ent, logits.stride(0), int(ignore_index),
-            float(label_smoothing), float(softcap), float(z_scale), label_smoothing != 0.0, xt_load, softcap > 0.0,
-            zloss, stats is not None)
+    args = (logits, flat, target, scale, grad, z if zloss else None, pred, ent, weight, logits.stride(0),
+            int(ignore_index), float(label_smoothing), float(softcap), float(z_scale), label_smoothing != 0.0, xt_load,
+            softcap > 0.0, zloss, stats is not None, weight is not None)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
