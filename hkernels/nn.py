@@ -187,18 +187,23 @@ class RotaryEmbedding(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """``torch.nn.CrossEntropyLoss`` for [N, C] logits and [N] class targets on :func:`hkernels.cross_entropy`
-    (class weights are not supported; other input layouts go to ``F.cross_entropy``)."""
+    """``torch.nn.CrossEntropyLoss`` for [N, C] logits and [N] class targets on :func:`hkernels.cross_entropy`,
+    class ``weight`` [C] included (a buffer, as torch's: the same state_dict); other input layouts go to
+    ``F.cross_entropy``."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 weight: Tensor | None = None) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.register_buffer("weight", weight)
+        self.weight: Tensor | None
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if input.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
-            return cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
-        return F.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
-                               label_smoothing=self.label_smoothing)
+            return cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing,
+                                 weight=self.weight)
+        return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                               reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
 class LinearCrossEntropyLoss(nn.Module):

@@ -15,7 +15,7 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
   classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3
   modules, the function itself or the module ``kernels`` wraps it in under transformers 5; or a function marked
   ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`;
-- ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules without class weights -> :class:`hkernels.nn.
+- ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules (class weights included) -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
   logits (the output's ``logits`` is None). Hugging Face's Llama, Mistral, Qwen2, Qwen3 and Gemma 1/2/3
@@ -168,9 +168,9 @@ def _new_experts(m: nn.Module) -> nn.Module | None:
 
 
 def _new_loss(m: nn.Module) -> nn.Module | None:
-    if type(m) is not nn.CrossEntropyLoss or m.weight is not None:
+    if type(m) is not nn.CrossEntropyLoss:
         return None
-    return hnn.CrossEntropyLoss(m.ignore_index, m.reduction, m.label_smoothing)
+    return hnn.CrossEntropyLoss(m.ignore_index, m.reduction, m.label_smoothing, m.weight)
 
 
 def _mlp_gate(m: nn.Module) -> str | None:
@@ -610,7 +610,7 @@ _LOOKS_FOR = {
     "swiglu": "no MLP with gate_proj, up_proj and down_proj Linears and a SiLU act_fn",
     "geglu": "no MLP with gate_proj, up_proj and down_proj Linears and a tanh-approximated GELU act_fn",
     "rope": "no module of the model's classes defines apply_rotary_pos_emb",
-    "cross_entropy": "no torch.nn.CrossEntropyLoss module without class weights",
+    "cross_entropy": "no torch.nn.CrossEntropyLoss module",
     "fused_linear_cross_entropy": "no causal LM with an lm_head Linear that hkernels knows "
                                   f"({', '.join(HF_CAUSAL_LMS)}, or a module with hkernels_loss_inputs)",
     "moe": "no experts module on transformers' experts interface or marked hkernels_experts = 'swiglu'",

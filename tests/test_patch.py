@@ -341,3 +341,30 @@ def test_bench_moe_model_experts_become_moe_experts_and_match(device):
     finally:
         unpatch(model)
     assert model.model.layers[0].mlp.experts is old
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_patch_weighted_cross_entropy_module(backend, device):
+    """An nn.CrossEntropyLoss with class weights becomes hkernels.nn.CrossEntropyLoss holding the same weight buffer
+    (the same state_dict), with the same loss and logits gradient."""
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.rand(10, generator=g) + 0.25).to(device)
+    net = nn.Sequential(nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1))
+    plain = copy.deepcopy(net)
+    x = torch.randn(7, 10, generator=g).to(device)
+    t = torch.tensor([1, 3, -100, 9, 0, 3, 5], device=device)
+    done = hkernels.patch(net, ops="cross_entropy")
+    try:
+        assert [r.op for r in done] == ["cross_entropy"] and isinstance(net[0], hnn.CrossEntropyLoss)
+        assert net.state_dict().keys() == plain.state_dict().keys() and net[0].weight is weight
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with hkernels.use_backend(backend):
+            got = net[0](x1, t)
+        want = plain[0](x2, t)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        unpatch(net)
+    assert type(net[0]) is nn.CrossEntropyLoss
