@@ -223,24 +223,17 @@ def reference(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     *,
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
-    return_z_loss: bool = False,
-    return_token_accuracy: bool = False,
-    return_predicted_tokens: bool = False,
-    return_entropy: bool = False,
     ce_weight: Tensor | None = None,
+    **options: Any,
 ) -> Tensor | CrossEntropyOutput:
     """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
     rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
     as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow. The loss
-    options as :func:`hkernels.functional.cross_entropy.reference` takes them."""
+    options (``softcap``, ``lse_square_scale``, the ``return_*`` flags) as
+    :func:`hkernels.functional.cross_entropy.reference` takes them; ``ce_weight`` is its class ``weight``."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
-                                   label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                   return_predicted_tokens=return_predicted_tokens, return_entropy=return_entropy,
-                                   weight=ce_weight)
+                                   label_smoothing, weight=ce_weight, **options)
 
 
 # The torch backend: the shared chunk loop around the reference cross-entropy (the [T, V] logits never exist at once).
