@@ -119,6 +119,8 @@ _requested_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defin
 _AUTOCAST_KEYS = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU", "xpu": "AutocastXPU", "mps": "AutocastMPS",
                   "hpu": "AutocastHPU", "xla": "AutocastXLA", "privateuseone": "AutocastPrivateUse1"}
 _SIXTEEN = (torch.float16, torch.bfloat16)
+# The device types this build of torch has autocast for, read once (Dynamo in torch 2.11 cannot trace the query).
+_AUTOCASTABLE = frozenset(d for d in _AUTOCAST_KEYS if torch.amp.is_autocast_available(d))
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ def _autocast_device(args: tuple[Any, ...]) -> str | None:
     for a in args:
         if isinstance(a, Tensor):
             device = a.device.type
-            return device if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) else None
+            return device if device in _AUTOCASTABLE and torch.is_autocast_enabled(device) else None
     return None
 
 
@@ -212,8 +214,8 @@ def no_autocast() -> Iterator[None]:
     """Autocast off for every device type it is on (a backward run inside an autocast region: the op's gradients
     computed in the dtypes its forward ran in)."""
     with contextlib.ExitStack() as stack:
-        for device in _AUTOCAST_KEYS:
-            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        for device in _AUTOCASTABLE:
+            if torch.is_autocast_enabled(device):
                 stack.enter_context(autocast_off(device))
         yield
 
