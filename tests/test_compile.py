@@ -316,7 +316,7 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
         if mode == "mark_dynamic":
             for a in (x, r, t):
                 torch._dynamo.maybe_mark_dynamic(a, 0)
-        wrt = (x, w) if op != "swiglu" else (x, r)
+        wrt = (x, r) if op == "swiglu" else (x,) if op == "cross_entropy" else (x, w)
         out = compiled(x, r, t)
         grads = torch.autograd.grad(out, wrt)
         ref = f(references, x, r, t)
@@ -519,8 +519,17 @@ LENGTHS = (7, 12, 19, 33, 50)
 
 # On a CPU the kernel backends' custom ops stay opaque in a graph (interpreted kernels are not traced): Triton's
 # stands for both there; on a GPU each kernel backend is traced.
-@pytest.mark.parametrize("backend", ["helion", "triton", "torch"] if ON_GPU else ["triton", "torch"])
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "softmax", *LLM_OPS])
+_FIVE_LENGTHS = [
+    pytest.param(op, backend, id=f"{op}-{backend}", marks=[pytest.mark.xfail(
+        ON_GPU, strict=True, reason="Helion's rope with gradients in a graph whose length turns symbolic gives a "
+        "wrong forward on an H100 (45 or 223 for 2716: seen 2026-12-06), where the same call without gradients is "
+        "right")] if (op, backend) == ("rope", "helion") else [])
+    for op in ["rms_norm", "layer_norm", "softmax", *LLM_OPS]
+    for backend in (["helion", "triton", "torch"] if ON_GPU else ["triton", "torch"])
+]
+
+
+@pytest.mark.parametrize(("op", "backend"), _FIVE_LENGTHS)
 def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
     """One compiled function (torch.compile's default dynamic=None, aot_eager) called at five lengths: a graph for
     the first, one with the length symbolic from the second on, and no more (a loop over the length's chunks or a
