@@ -10,6 +10,7 @@ inputs' own float32.
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import hkernels
-from hkernels import references
+from hkernels import references, registry
 from tests.conftest import FULL
 from tests.specs import BACKENDS, CASES_LLM, ON_GPU, Case, _randn, cast_case, max_error
 from tests.test_llm_ops import _leaves, _outputs
@@ -289,3 +290,59 @@ def test_autocast_on_another_device_changes_nothing(device):
             got = hkernels.matmul(a, b.T)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["layer_norm", "softmax"])
+def test_float32_rule_reads_sixteen_bits(op, backend, device, monkeypatch):
+    """Where autocast computes layer_norm and softmax in float32 (CUDA; forced here on any device), the kernel reads
+    the 16-bit activations as they are and writes the float32 result itself: no float32 copy of x is made. The
+    result, and x's 16-bit gradient, are the op's on x read in float32, to the last bit of what the same backend
+    gives for a float32 x (the cast is exact)."""
+    applies = hkernels.functional._base.Autocast.applies
+    monkeypatch.setattr(hkernels.functional._base.Autocast, "applies",
+                        lambda self, d: self.policy == "float32" or applies(self, d))
+    module = importlib.import_module(registry.OPS[op].module_name(backend))
+    seen: list[tuple[torch.dtype, Any]] = []
+    real = getattr(module, f"{op}_fwd")
+
+    def spy(x: Tensor, *args: Any) -> Any:
+        seen.append((x.dtype, args[-1]))
+        return real(x, *args)
+
+    monkeypatch.setattr(module, f"{op}_fwd", spy)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 5, 48, generator=g) * 2 + 1).to(device=device, dtype=torch.bfloat16).requires_grad_()
+    params = [(torch.rand(48, generator=g) + 0.5).to(device).requires_grad_(),
+              torch.randn(48, generator=g).to(device).requires_grad_()] if op == "layer_norm" else []
+    fn = getattr(hkernels, op)
+    dy = torch.randn(3, 5, 48, generator=g).to(device)
+    with hkernels.use_backend(backend):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = fn(x, *params)
+        assert y.dtype == torch.float32
+        assert seen == [(torch.bfloat16, torch.float32)]
+        grads = torch.autograd.grad(y, (x, *params), dy)
+        assert [g.dtype for g in grads] == [torch.bfloat16, *(torch.float32 for _ in params)]
+        wide = [x.detach().float().requires_grad_(), *(p.detach().clone().requires_grad_() for p in params)]
+        y32 = fn(*wide)
+        want = torch.autograd.grad(y32, wide, dy)
+    torch.testing.assert_close(y, y32, rtol=0, atol=0)
+    torch.testing.assert_close(grads, (want[0].bfloat16(), *want[1:]), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_dtype_argument(device):
+    """``dtype`` as F.softmax's: x cast to it first (a 16-bit x widened to float32 is read as it is)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 33, generator=g).to(device)
+    for backend in BACKENDS:
+        with hkernels.use_backend(backend):
+            for x_dtype, dtype in [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                   (torch.float16, torch.float16)]:
+                got = hkernels.softmax(x.to(x_dtype), 0, dtype=dtype)
+                want = torch.softmax(x.to(x_dtype), 0, dtype=dtype)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else
+                                                         {"rtol": 1e-2, "atol": 1e-3}))
+    with pytest.raises(TypeError, match=r"hkernels\.softmax: dtype"):
+        hkernels.softmax(x, -1, dtype=torch.int32)

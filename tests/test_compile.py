@@ -18,8 +18,8 @@ CALLS = {
 }
 CUSTOM_OPS = {
     "rms_norm": lambda x, w, b: (torch.ops.hkernels.rms_norm_fwd.default, (x, w, 1e-6, "")),
-    "layer_norm": lambda x, w, b: (torch.ops.hkernels.layer_norm_fwd.default, (x, w, b, 1e-5, "")),
-    "softmax": lambda x, w, b: (torch.ops.hkernels.softmax_fwd.default, (x, "")),
+    "layer_norm": lambda x, w, b: (torch.ops.hkernels.layer_norm_fwd.default, (x, w, b, 1e-5, None, "")),
+    "softmax": lambda x, w, b: (torch.ops.hkernels.softmax_fwd.default, (x, None, "")),
 }
 
 

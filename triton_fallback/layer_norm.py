@@ -210,10 +210,11 @@ def _layer_norm_bwd_looped_kernel(
 
 
 def layer_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """x: [M, N], weight/bias: [N] or None -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
-    return _bind_fwd(x, weight, bias, eps)(x, weight, bias, eps)
+    """x: [M, N], weight/bias: [N] or None -> (y [M, N] in ``dtype`` (default x.dtype), mean [M] float32, rstd [M]
+    float32)."""
+    return _bind_fwd(x, weight, bias, eps, dtype)(x, weight, bias, eps, dtype)
 
 
 def layer_norm_bwd(
@@ -223,12 +224,12 @@ def layer_norm_bwd(
     return _bind_bwd(dy, x, weight, bias, mean, rstd)(dy, x, weight, bias, mean, rstd)
 
 
-def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: bool = True
-              ) -> Callable[..., Any]:
-    """``run(x, weight, bias, eps) -> (y, mean, rstd)``; with ``stats=False`` (a forward no backward follows) the
-    statistics are neither allocated nor written, and ``run`` returns y."""
+def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: torch.dtype | None = None,
+              stats: bool = True) -> Callable[..., Any]:
+    """``run(x, weight, bias, eps, out) -> (y, mean, rstd)``, y in ``out`` (default x.dtype); with ``stats=False``
+    (a forward no backward follows) the statistics are neither allocated nor written, and ``run`` returns y."""
     M, N = x.shape
-    dtype, device = x.dtype, x.device
+    dtype, device = out or x.dtype, x.device
     has_w, has_b = weight is not None, bias is not None
     sx = x.stride(0)
     flags = {"HAS_WEIGHT": has_w, "HAS_BIAS": has_b, "STORE_STATS": stats}
@@ -241,7 +242,7 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
         k = Bound(_layer_norm_fwd_looped_kernel, (M,), **flags, BLOCK_N=s.block_n, num_warps=s.num_warps)
 
     if not stats:
-        def run_y(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+        def run_y(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: Any = None) -> Tensor:
             y = torch.empty((M, N), dtype=dtype, device=device)
             w = weight if has_w else x
             b = bias if has_b else x
@@ -252,7 +253,8 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
             return y
         return run_y
 
-    def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: Any = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
         y = torch.empty((M, N), dtype=dtype, device=device)
         mean = torch.empty(M, dtype=torch.float32, device=device)
         rstd = torch.empty(M, dtype=torch.float32, device=device)

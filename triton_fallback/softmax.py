@@ -140,25 +140,25 @@ def _softmax_bwd_split_kernel(
                      eviction_policy="evict_first")
 
 
-def softmax_fwd(x: Tensor) -> Tensor:
-    """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
-    return _bind_fwd(x)(x)
+def softmax_fwd(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x: [M, N] (unit column stride) -> softmax over N, [M, N] in ``dtype`` (default x.dtype)."""
+    return _bind_fwd(x, dtype)(x, dtype)
 
 
-def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
-    """dy, y: [M, N] -> dx [M, N] in y.dtype."""
-    return _bind_bwd(dy, y)(dy, y)
+def softmax_bwd(dy: Tensor, y: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """dy, y: [M, N] -> dx [M, N] in ``dtype`` (default y.dtype)."""
+    return _bind_bwd(dy, y, dtype)(dy, y, dtype)
 
 
-def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
+def _bind_fwd(x: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
     M, N = x.shape
-    dtype, device, sx = x.dtype, x.device, x.stride(0)
+    dtype, device, sx = out or x.dtype, x.device, x.stride(0)
     s = row_settings(N, M, op="softmax", device=device)
     if s.resident:
         k = Bound(_softmax_fwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
                   num_warps=s.num_warps)
 
-        def run(x: Tensor) -> Tensor:
+        def run(x: Tensor, out: torch.dtype | None = None) -> Tensor:
             y = torch.empty((M, N), dtype=dtype, device=device)
             k.go(x, y, M, N, sx, N)
             return y
@@ -168,22 +168,22 @@ def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
     k = Bound(_softmax_fwd_split_kernel, (grid.programs,), BLOCK_N=s.block_n, BLOCK_C=next_pow2(grid.chunks),
               num_warps=s.num_warps, **_split.cooperative(s.num_warps, s.programs_per_sm))
 
-    def run_split(x: Tensor) -> Tensor:
+    def run_split(x: Tensor, out: torch.dtype | None = None) -> Tensor:
         y = torch.empty((M, N), dtype=dtype, device=device)
         k.go(x, y, _split.scratch(M, grid, 1, device), M, N, grid.chunks, sx, N, grid.lag)
         return y
     return run_split
 
 
-def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+def _bind_bwd(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
     M, N = y.shape
-    dtype, device, sdy, sy = y.dtype, y.device, dy.stride(0), y.stride(0)
+    dtype, device, sdy, sy = out or y.dtype, y.device, dy.stride(0), y.stride(0)
     s = row_settings(N, M, backward=True)
     if s.resident:
         k = Bound(_softmax_bwd_kernel, (cdiv(M, s.block_m),), BLOCK_M=s.block_m, BLOCK_N=s.block_n,
                   num_warps=s.num_warps)
 
-        def run(dy: Tensor, y: Tensor) -> Tensor:
+        def run(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Tensor:
             dx = torch.empty((M, N), dtype=dtype, device=device)
             k.go(dy, y, dx, M, N, sdy, sy, N)
             return dx
@@ -193,7 +193,7 @@ def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     k = Bound(_softmax_bwd_split_kernel, (grid.programs,), BLOCK_N=s.block_n, BLOCK_C=next_pow2(grid.chunks),
               num_warps=s.num_warps, **_split.cooperative(s.num_warps, s.programs_per_sm))
 
-    def run_split(dy: Tensor, y: Tensor) -> Tensor:
+    def run_split(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Tensor:
         dx = torch.empty((M, N), dtype=dtype, device=device)
         k.go(dy, y, dx, _split.scratch(M, grid, 1, device), M, N, grid.chunks, sdy, sy, N, grid.lag)
         return dx

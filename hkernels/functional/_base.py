@@ -118,7 +118,7 @@ _requested_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defin
 
 _AUTOCAST_KEYS = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU", "xpu": "AutocastXPU", "mps": "AutocastMPS",
                   "hpu": "AutocastHPU", "xla": "AutocastXLA", "privateuseone": "AutocastPrivateUse1"}
-_SIXTEEN = (torch.float16, torch.bfloat16)
+SIXTEEN = (torch.float16, torch.bfloat16)
 # The device types this build of torch has autocast for, read once (Dynamo in torch 2.11 cannot trace the query).
 _AUTOCASTABLE = frozenset(d for d in _AUTOCAST_KEYS if torch.amp.is_autocast_available(d))
 
@@ -159,7 +159,7 @@ class Autocast:
             return tuple(a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64
                          and a.dtype != dtype else a for a in args)
         if self.policy == "float32":
-            return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _SIXTEEN else a for a in args)
+            return tuple(a.float() if isinstance(a, Tensor) and a.dtype in SIXTEEN else a for a in args)
         return args
 
     def call(self, public: Public, device: str, args: tuple[Any, ...]) -> Any:

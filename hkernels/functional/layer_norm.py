@@ -13,6 +13,7 @@ import torch
 
 from hkernels import dispatch
 from hkernels.functional._base import (
+    SIXTEEN,
     Autocast,
     Lane,
     Public,
@@ -42,36 +43,39 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight, bias: [N] or None. Math in
     float32; the result has x's dtype and shape. Differentiable in x, weight and bias.
     """
-    return _CALLS(x, weight, bias, eps)
+    return _CALLS(x, weight, bias, eps, None)
 
 
-def _check(x: Any, weight: Any, bias: Any, eps: Any) -> None:
+def _check(x: Any, weight: Any, bias: Any, eps: Any, dtype: Any) -> None:
     check_input(OP, x)
     check_param(OP, "weight", weight, x)
     check_param(OP, "bias", bias, x)
     check_eps(OP, eps)
 
 
-def _body(request: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    y, _, _ = call(_fwd, as_rows(x), weight, bias, float(eps), request)
+def _body(request: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+          dtype: torch.dtype | None) -> Tensor:
+    # (dtype: float32 for a 16-bit x under autocast, the kernel writing it; else None, x's)
+    y, _, _ = call(_fwd, as_rows(x), weight, bias, float(eps), dtype, request)
     return y if y.shape == x.shape else y.reshape(x.shape)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
 
 
+# dtype: the result's where it is not x's (float32 from 16-bit x), else None.
 @torch.library.custom_op("hkernels::layer_norm_fwd", mutates_args=())
-def _fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str
+def _fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, dtype: torch.dtype | None, backend: str
          ) -> tuple[Tensor, Tensor, Tensor]:
     if x.numel() == 0:
-        return x.new_empty(x.shape), stats(x), stats(x)
-    return dispatch.run(OP, "layer_norm_fwd", backend, rows(x), weight, bias, eps)
+        return x.new_empty(x.shape, dtype=dtype or x.dtype), stats(x), stats(x)
+    return dispatch.run(OP, "layer_norm_fwd", backend, rows(x), weight, bias, eps, dtype)
 
 
 @_fwd.register_fake
-def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str
+def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, dtype: torch.dtype | None, backend: str
       ) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty(x.shape), stats(x), stats(x)
+    return x.new_empty(x.shape, dtype=dtype or x.dtype), stats(x), stats(x)
 
 
 @torch.library.custom_op("hkernels::layer_norm_bwd", mutates_args=())
@@ -100,7 +104,7 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: T
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    x, weight, bias, _eps, backend = inputs
+    x, weight, bias, _eps, _dtype, backend = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
     ctx.backend = backend
     ctx.mark_non_differentiable(output[1], output[2])
@@ -109,10 +113,10 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tens
 
 def _backward(ctx: Any, dy: Tensor | None, _dmean: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
     if dy is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = call(_bwd, dy, x, weight, bias, mean, rstd, ctx.backend)
-    return dx, (dw if weight is not None else None), (db if bias is not None else None), None, None
+    return dx, (dw if weight is not None else None), (db if bias is not None else None), None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -128,7 +132,7 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _dmean: Tensor | None
     def backward(ctx: Any, dy: Tensor, _dmean: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = run(dy, x, weight, bias, mean, rstd)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
     return backward
 
 
@@ -148,9 +152,9 @@ def reference(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = Non
     return y.to(x.dtype)
 
 
-def layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """x: [M, N] -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
+def layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                   dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """x: [M, N] -> (y [M, N] in ``dtype`` (default x.dtype), mean [M] float32, rstd [M] float32)."""
     xf = x.to(compute_dtype(x.dtype))
     mean = xf.mean(-1)
     rstd = torch.rsqrt((xf - mean[:, None]).pow(2).mean(-1) + eps)
@@ -159,7 +163,7 @@ def layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
         y = y * weight.to(xf.dtype)
     if bias is not None:
         y = y + bias.to(xf.dtype)
-    return y.to(x.dtype), mean.float(), rstd.float()
+    return y.to(dtype or x.dtype), mean.float(), rstd.float()
 
 
 def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
@@ -175,7 +179,8 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | 
     return dx.to(x.dtype), dw, db
 
 
-def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Any:
+def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+          dtype: torch.dtype | None) -> Any:
     """Calls of this signature in one step: the kernel function the plan ran, on a view of x's rows; without a
     gradient, bound without the statistics; with one, through a Lane."""
     recorded, rows_of = bound(plan, "layer_norm_fwd"), rows_view(x)
@@ -183,14 +188,27 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, bias: Tenso
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight, bias):
-        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 1, 1,
+        apply = Lane(recorded, _setup, _backward, request, 5, None if flat else shape, rows_of, 1, 1,
                      _backward_fast).apply
-        return lambda x, weight, bias, eps: apply(x, weight, bias, eps)[0]
-    run = dispatch.rebind(recorded, "layer_norm_fwd", x if flat else x.view(rows_of), weight, bias, eps, stats=False)
+        return lambda x, weight, bias, eps, dtype: apply(x, weight, bias, eps, dtype)[0]
+    run = dispatch.rebind(recorded, "layer_norm_fwd", x if flat else x.view(rows_of), weight, bias, eps, dtype,
+                          stats=False)
     if run is None or flat:
         return run
-    return lambda x, weight, bias, eps: run(x.view(rows_of), weight, bias, eps).view(shape)
+    return lambda x, weight, bias, eps, dtype: run(x.view(rows_of), weight, bias, eps, dtype).view(shape)
+
+
+def _float32_result(public: Public, args: tuple[Any, ...], dtype: torch.dtype, applies: bool) -> Tensor:
+    """Under autocast where PyTorch computes layer_norm in float32 (CUDA): 16-bit x read as it is, the result
+    written in float32 (no float32 copy of x); 16-bit parameters are read into float32 by the kernel too."""
+    x, weight, bias, eps, want = args
+    if applies and isinstance(x, Tensor):
+        if x.dtype in SIXTEEN:
+            want = torch.float32
+        elif x.dtype == torch.float32:  # float32 x, 16-bit parameters: autocast's casts, which are exact
+            weight, bias = (p.float() if isinstance(p, Tensor) and p.dtype in SIXTEEN else p for p in (weight, bias))
+    return public(x, weight, bias, eps, want)
 
 
 # Under autocast: as F.layer_norm (float32 where PyTorch computes it in float32: CUDA).
-_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::layer_norm",)))
+_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::layer_norm",), _float32_result))

@@ -236,6 +236,14 @@ def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.dev
     return compiled(kernel, args, n, device), bound_launcher()
 
 
+@functools.cache
+def like(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype``: the argument a kernel whose result's dtype is not its input's reads it from
+    (host code only; never launched with)."""
+    with _outside_modes():
+        return torch.empty(0, dtype=dtype, device=device)
+
+
 def forget() -> None:
     """Drop every config and compiled kernel chosen so far (the tables changed): ``configs.reload`` does it."""
     configs.reload()

@@ -28,12 +28,12 @@ MAX_RESIDENT_BWD = 8192
 
 @helion.kernel(static_shapes=False)
 def _layer_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # Resident rows: x: [M, N] -> y [M, N], mean [M], rstd [M]; reads x once.
+    # Resident rows: x: [M, N] -> y [M, N] in like's dtype (x's, or wider), mean [M], rstd [M]; reads x once.
     m, n = x.size()
     n = hl.specialize(n)
-    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    y = torch.empty([m, n], dtype=like.dtype, device=x.device)
     mean = torch.empty([m], dtype=torch.float32, device=x.device)
     rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
@@ -54,13 +54,13 @@ def _layer_norm_fwd(
 
 @helion.kernel(static_shapes=False)
 def _layer_norm_fwd_looped(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     # Long rows: pass 1 merges each chunk's (count, mean, M2) into the running ones (Chan et al.); pass 2 reads
-    # the row again and writes y.
+    # the row again and writes y (in like's dtype).
     m, n = x.size()
     n = hl.specialize(n)
-    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    y = torch.empty([m, n], dtype=like.dtype, device=x.device)
     mean = torch.empty([m], dtype=torch.float32, device=x.device)
     rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
@@ -194,10 +194,11 @@ def _layer_norm_bwd_looped(
 
 
 def layer_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """x: [M, N], weight/bias: [N] or None -> (y [M, N] in x.dtype, mean [M] float32, rstd [M] float32)."""
-    return _bind_fwd(x, weight, bias, eps)(x, weight, bias, eps)
+    """x: [M, N], weight/bias: [N] or None -> (y [M, N] in ``dtype`` (default x.dtype), mean [M] float32, rstd [M]
+    float32)."""
+    return _bind_fwd(x, weight, bias, eps, dtype)(x, weight, bias, eps, dtype)
 
 
 def layer_norm_bwd(
@@ -207,15 +208,16 @@ def layer_norm_bwd(
     return _bind_bwd(dy, x, weight, bias, mean, rstd)(dy, x, weight, bias, mean, rstd)
 
 
-def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: bool = True
-              ) -> Callable[..., Any]:
-    """``run(x, weight, bias, eps) -> (y, mean, rstd)``, or y alone with ``stats=False``."""
+def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: torch.dtype | None = None,
+              stats: bool = True) -> Callable[..., Any]:
+    """``run(x, weight, bias, eps, out) -> (y, mean, rstd)``, or y alone with ``stats=False``."""
     N = x.shape[1]
+    like = _helion.like(out or x.dtype, x.device)
     kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
-    fn, launcher = _helion.bind(kernel, (x, weight, bias, eps), N, x.device)
+    fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps), N, x.device)
     if not stats:
-        return lambda x, weight, bias, eps: fn(x, weight, bias, eps, _launcher=launcher)[0]
-    return lambda x, weight, bias, eps: fn(x, weight, bias, eps, _launcher=launcher)
+        return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, _launcher=launcher)[0]
+    return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, _launcher=launcher)
 
 
 def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor

@@ -29,11 +29,11 @@ MAX_RESIDENT_BWD = 16384
 
 
 @helion.kernel(static_shapes=False)
-def _softmax_fwd(x: Tensor) -> Tensor:
-    # Resident rows: x: [M, N] -> y [M, N]; reads x once.
+def _softmax_fwd(x: Tensor, like: Tensor) -> Tensor:
+    # Resident rows: x: [M, N] -> y [M, N] in like's dtype (x's, or wider); reads x once.
     m, n = x.size()
     n = hl.specialize(n)
-    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    y = torch.empty([m, n], dtype=like.dtype, device=x.device)
     for tile_m in hl.tile(m):
         xf = x[tile_m, :].to(torch.float32)
         e = torch.exp(xf - torch.amax(xf, dim=-1)[:, None])
@@ -42,13 +42,13 @@ def _softmax_fwd(x: Tensor) -> Tensor:
 
 
 @helion.kernel(static_shapes=False, autotune_config_overrides=_split.TUNE_OVERRIDES)
-def _softmax_fwd_split(x: Tensor, programs: int, lag: int, block: hl.constexpr) -> Tensor:
-    # Long rows, split (see hkernels/ops/_split.py): x [M, N] -> y [M, N]; chunks of ``block`` elements walked by
-    # ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
+def _softmax_fwd_split(x: Tensor, like: Tensor, programs: int, lag: int, block: hl.constexpr) -> Tensor:
+    # Long rows, split (see hkernels/ops/_split.py): x [M, N] -> y [M, N] in like's dtype; chunks of ``block``
+    # elements walked by ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
     m, n = x.size()
     n = hl.specialize(n)
     chunks = (n + block - 1) // block
-    y = torch.empty([m, n], dtype=x.dtype, device=x.device)
+    y = torch.empty([m, n], dtype=like.dtype, device=x.device)
     slots = torch.full([m, chunks], -1, dtype=torch.int64, device=x.device)  # per chunk (max, Σ exp(x − max))
     items = m * chunks
     for pid in hl.grid(programs):
@@ -92,11 +92,11 @@ def _softmax_fwd_split(x: Tensor, programs: int, lag: int, block: hl.constexpr) 
 
 
 @helion.kernel(static_shapes=False)
-def _softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
-    # Resident rows: dy, y: [M, N] -> dx [M, N]; reads dy and y once.
+def _softmax_bwd(dy: Tensor, y: Tensor, like: Tensor) -> Tensor:
+    # Resident rows: dy, y: [M, N] -> dx [M, N] in like's dtype (y's, or narrower); reads dy and y once.
     m, n = y.size()
     n = hl.specialize(n)
-    dx = torch.empty([m, n], dtype=y.dtype, device=y.device)
+    dx = torch.empty([m, n], dtype=like.dtype, device=y.device)
     for tile_m in hl.tile(m):
         yf = y[tile_m, :].to(torch.float32)
         dyf = dy[tile_m, :].to(torch.float32)
@@ -105,13 +105,14 @@ def _softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
 
 
 @helion.kernel(static_shapes=False, autotune_config_overrides=_split.TUNE_OVERRIDES)
-def _softmax_bwd_split(dy: Tensor, y: Tensor, programs: int, lag: int, block: hl.constexpr) -> Tensor:
-    # Long rows, split (see hkernels/ops/_split.py): dy, y [M, N] -> dx [M, N]; chunks of ``block`` elements
-    # walked by ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
+def _softmax_bwd_split(dy: Tensor, y: Tensor, like: Tensor, programs: int, lag: int, block: hl.constexpr
+                       ) -> Tensor:
+    # Long rows, split (see hkernels/ops/_split.py): dy, y [M, N] -> dx [M, N] in like's dtype; chunks of
+    # ``block`` elements walked by ``programs`` programs, phase 2 ``lag`` steps behind phase 1.
     m, n = y.size()
     n = hl.specialize(n)
     chunks = (n + block - 1) // block
-    dx = torch.empty([m, n], dtype=y.dtype, device=y.device)
+    dx = torch.empty([m, n], dtype=like.dtype, device=y.device)
     slots = torch.full([m, chunks], -1, dtype=torch.int64, device=y.device)  # per chunk (Σ dy·y, 0)
     items = m * chunks
     for pid in hl.grid(programs):
@@ -147,14 +148,14 @@ def _softmax_bwd_split(dy: Tensor, y: Tensor, programs: int, lag: int, block: hl
     return dx
 
 
-def softmax_fwd(x: Tensor) -> Tensor:
-    """x: [M, N] (unit column stride) -> softmax over N, [M, N] in x.dtype."""
-    return _bind_fwd(x)(x)
+def softmax_fwd(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x: [M, N] (unit column stride) -> softmax over N, [M, N] in ``dtype`` (default x.dtype)."""
+    return _bind_fwd(x, dtype)(x, dtype)
 
 
-def softmax_bwd(dy: Tensor, y: Tensor) -> Tensor:
-    """dy, y: [M, N] -> dx [M, N] in y.dtype."""
-    return _bind_bwd(dy, y)(dy, y)
+def softmax_bwd(dy: Tensor, y: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """dy, y: [M, N] -> dx [M, N] in ``dtype`` (default y.dtype)."""
+    return _bind_bwd(dy, y, dtype)(dy, y, dtype)
 
 
 _split.KERNELS.update(k.name for k in (_softmax_fwd_split, _softmax_bwd_split))
@@ -173,28 +174,30 @@ def _kernel(kernel: helion.Kernel, *tensors: Tensor) -> helion.Kernel:
     return _WIDE[kernel.name] if any(spans_past_int32(t) for t in tensors) else kernel
 
 
-def _bind_fwd(x: Tensor) -> Callable[[Tensor], Tensor]:
+def _bind_fwd(x: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
     M, N = x.shape
+    like = _helion.like(out or x.dtype, x.device)
     if N <= MAX_RESIDENT_FWD:
-        fn, launcher = _helion.bind(_kernel(_softmax_fwd, x), (x,), N, x.device)
-        return lambda x: fn(x, _launcher=launcher)
+        fn, launcher = _helion.bind(_kernel(_softmax_fwd, x), (x, like), N, x.device)
+        return lambda x, out=None: fn(x, like, _launcher=launcher)
     walk = _split.walk(_softmax_fwd_split, M, N, x.device, x.dtype)
     programs, lag, block = walk.programs, walk.lag, walk.block
-    fn = _helion.bind(_kernel(_softmax_fwd_split, x), (x, programs, lag, block), N, x.device)[0]
+    fn = _helion.bind(_kernel(_softmax_fwd_split, x), (x, like, programs, lag, block), N, x.device)[0]
     split_launcher = _split.bound_launcher(walk.per_sm)
-    return lambda x: fn(x, programs, lag, block, _launcher=split_launcher)
+    return lambda x, out=None: fn(x, like, programs, lag, block, _launcher=split_launcher)
 
 
-def _bind_bwd(dy: Tensor, y: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+def _bind_bwd(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
     M, N = y.shape
+    like = _helion.like(out or y.dtype, y.device)
     if N <= MAX_RESIDENT_BWD:
-        fn, launcher = _helion.bind(_kernel(_softmax_bwd, dy, y), (dy, y), N, y.device)
-        return lambda dy, y: fn(dy, y, _launcher=launcher)
+        fn, launcher = _helion.bind(_kernel(_softmax_bwd, dy, y), (dy, y, like), N, y.device)
+        return lambda dy, y, out=None: fn(dy, y, like, _launcher=launcher)
     walk = _split.walk(_softmax_bwd_split, M, N, y.device, y.dtype)
     programs, lag, block = walk.programs, walk.lag, walk.block
-    fn = _helion.bind(_kernel(_softmax_bwd_split, dy, y), (dy, y, programs, lag, block), N, y.device)[0]
+    fn = _helion.bind(_kernel(_softmax_bwd_split, dy, y), (dy, y, like, programs, lag, block), N, y.device)[0]
     split_launcher = _split.bound_launcher(walk.per_sm)
-    return lambda dy, y: fn(dy, y, programs, lag, block, _launcher=split_launcher)
+    return lambda dy, y, out=None: fn(dy, y, like, programs, lag, block, _launcher=split_launcher)
 
 
 # Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
