@@ -26,6 +26,7 @@ import contextvars
 import functools
 import inspect
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -311,7 +312,9 @@ def _shape_key(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     [T] before the gradient [T, V]: it is bucketed by [T, V], as its forward is, not by rows of T elements."""
     t = _routed_tensor(tensors)
     n = t.shape[-1] if t.dim() else 1
-    return (t.numel() // n if n else 0), n
+    rows = t.numel() // n if n else 0
+    # (a symbolic row count: the buckets for any number of rows, with no guard on it)
+    return (rows if type(rows) is int else sys.maxsize), n
 
 
 def _routed_tensor(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -488,6 +491,13 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
     (see :func:`hkernels.functional._base.traced`)."""
     if request != "auto":
         return select(op, request, tensors, fn)
+    if _symbolic(tensors):  # a length that varies: a kernel backend that traces at any length, by static dims
+        backend, why = select(op, request, tensors, fn)
+        if not takes_symbolic(op, backend, fn) and backend != "torch":
+            other = "triton" if backend == "helion" else "helion"
+            if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn):
+                return other, f"auto: {other} traces at a symbolic length ({backend} would stay opaque)"
+        return backend, why
     found = _bucket(f"compiled:{op}", tensors, fn) if tensors and (tensors[0].is_cuda or _interpret.enabled()) \
         else None
     if found is not None and found[1]["backend"] == "torch":
@@ -495,6 +505,21 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
     return select(op, request, tensors, fn)
+
+
+def takes_symbolic(op: str, backend: str, name: str) -> bool:
+    """``backend``'s host functions for ``op`` record the launches of custom op ``name`` (``hkernels::<name>``) into a
+    compiled graph with a symbolic row count (its module's ``SYMBOLIC``): the torch backend always does."""
+    if backend == "torch":
+        return True
+    module = registry.load(op, backend)
+    return not isinstance(module, str) and name in getattr(module, "SYMBOLIC", ())
+
+
+def _symbolic(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """A row count (a size or stride past the last dim) is symbolic: ``dynamic=True``, ``mark_dynamic``, or a
+    recompile for a new length."""
+    return any(type(v) is not int for t in tensors for v in (*t.shape[:-1], *t.stride()[:-1]))
 
 
 def _run_traced(op: str, fn: str, request: str, args: tuple[Any, ...]) -> Any:

@@ -5,7 +5,9 @@ higher-order op, which Inductor launches itself) and that nothing calls back int
 
 No GPU is used: the CUDA tensors are FakeTensors, the device's properties are an H200's, and Triton's driver is a
 stand-in that names an sm90 target (Triton compiles each kernel to TTIR on the host, which is how torch finds which
-arguments a kernel writes). Prints one JSON line: {"op custom_op backend": "ok" or the error}.
+arguments a kernel writes). Prints one JSON line: {"op custom_op backend": "ok" or the error}. Where a backend
+declares it traces a custom op at a symbolic length (``dispatch.takes_symbolic``), the op is traced once more with
+its length symbolic ("op custom_op backend symbolic"): launches recorded with no guard on the length.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import hkernels  # noqa: E402
+from hkernels import dispatch  # noqa: E402
 from hkernels.functional import _base  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -74,6 +77,39 @@ def _fake(a: object, mode: FakeTensorMode) -> object:
         return a
     with mode:  # (contiguous: a copy of a fake CUDA tensor needs a CUDA build of torch)
         return torch.empty(a.shape, dtype=a.dtype, device="cuda")
+
+
+def _symbolic_fakes(args: tuple[object, ...]) -> tuple[list[object], object, set[object]]:
+    """Fake CUDA tensors as a graph whose length varies has them: the length (the largest size past the last dim
+    of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim, is a symbol
+    of a shape environment; the other sizes (heads, hidden sizes) stay static. Returns the fakes, the environment
+    and the length's symbol."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    rows = sorted({d for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in a.shape[:-1] if d >= 2})
+    rows = rows[-1:]
+    symbols = {v: env.create_symintnode(env.create_symbol(v, ConstantSource(f"rows_{v}"),
+                                                          dynamic_dim=DimDynamic.DYNAMIC), hint=v) for v in rows}
+    fakes: list[object] = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            fakes.append(a)
+            continue
+        last = a.dim() - 1 if a.dim() >= 2 else -1
+        shape = [symbols.get(d, d) if i != last else d for i, d in enumerate(a.shape)]
+        with mode:
+            fakes.append(torch.empty(shape, dtype=a.dtype, device="cuda"))
+    return fakes, env, {s.node.expr for s in symbols.values()}
+
+
+def _row_guards(env: object, rows: set[object]) -> list[str]:
+    """What tracing decided about the row symbols: a guard on one or a replacement of one (a specialisation), each
+    a recompile when the length changes."""
+    found = [f"{k} = {v}" for k, v in env.replacements.items() if k in rows]
+    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows]
 
 
 _CHARS = int(os.environ.get("HKERNELS_TRACE_CHARS", "300"))  # of each error reported
@@ -172,12 +208,18 @@ def main() -> None:
             if func in seen:
                 continue
             seen.add(func)
-            for backend in ("triton", "helion"):
-                key = f"{op} {func.__name__} {backend}"
+            for backend, symbolic in (("triton", False), ("helion", False), ("triton", True), ("helion", True)):
+                key = f"{op} {func.__name__} {backend}" + (" symbolic" if symbolic else "")
                 if (op, backend) in _base._OPAQUE_IN_GRAPHS:
                     continue  # kept opaque on purpose (see hkernels/functional/_base.py)
-                mode = FakeTensorMode()
-                fakes = [_fake(a, mode) for a in args]
+                name = func._schema.name.split("::")[-1]
+                if symbolic and not dispatch.takes_symbolic(op, backend, name):
+                    continue  # (this backend keeps the op opaque at a symbolic length)
+                if symbolic:
+                    fakes, env, rows = _symbolic_fakes(args)
+                else:
+                    mode = FakeTensorMode()
+                    fakes = [_fake(a, mode) for a in args]
                 fakes[-1] = backend  # every custom op takes the backend request last
                 written = [i for i, a in enumerate(func._schema.arguments)
                            if a.alias_info is not None and a.alias_info.is_write]
@@ -203,6 +245,8 @@ def main() -> None:
                         results[key] = untraced[0]
                     elif "torch.ops.hkernels" in code:
                         results[key] = "opaque: the graph calls the custom op"
+                    elif symbolic and _row_guards(env, rows):
+                        results[key] = f"a guard on the row count: {_row_guards(env, rows)[:3]}"
                     elif _AS_INDUCTOR:
                         results[key] = _AS_INDUCTOR[0]
                     elif "triton_kernel_wrapper_functional" not in code:

@@ -327,6 +327,10 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
     assert counter.frame_count == 1, f"{op}: {counter.frame_count} compiles for three lengths"
 
 
+# (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
+SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "rope")]
+
+
 # A fake CUDA tensor cannot be viewed or sliced in a CPU-only build of torch: what the trace check cannot reach.
 _CPU_LIMIT = "PyTorch is not linked with support for cuda devices"
 
@@ -357,6 +361,10 @@ def test_every_kernel_launch_is_traced_into_the_graph():
                "attention bf16", "matmul bf16"):  # (bf16: shapes whose eager calls take TMA descriptors)
         for backend in ("triton", "helion"):
             assert any(k.startswith(f"{op} ") and k.endswith(f" {backend}") for k in ok), (op, backend)
+    # at a symbolic length (a graph whose length varies): traced with no guard on the row count where declared
+    for op, backend in SYMBOLIC_TRACED:
+        for fn in ("fwd", "bwd"):
+            assert f"{op} {op}_{fn}.default {backend} symbolic" in ok, (op, fn, backend)
 
 
 def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):
@@ -554,3 +562,45 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
             for got, ref in zip(grads, want_grads, strict=True):
                 torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert counter.frame_count <= 2, f"{op} on {backend}: {counter.frame_count} graphs for {len(LENGTHS)} lengths"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only (the trace itself is checked "
+                    "on a CPU by test_every_kernel_launch_is_traced_into_the_graph)")
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize(("op", "backend"), [*SYMBOLIC_TRACED, *((op, "auto") for op, _ in SYMBOLIC_TRACED)],
+                         ids=lambda v: str(v))
+def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monkeypatch):
+    """Inside torch.compile (Inductor), one function called at five lengths: at most two graphs (one with
+    ``dynamic=True``), and from the third length on the kernels run from the graph at the new length, with no call
+    back into hkernels' Python (an opaque op would call its body); each length as the eager call gives it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    fn = getattr(hkernels, op)
+    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter, dynamic=dynamic)
+    watching, called = [False], []
+    real = hkernels.dispatch.run
+
+    def spy(op_: str, fn_: str, *args: Any) -> Any:
+        if watching[0]:
+            called.append(fn_)
+        return real(op_, fn_, *args)
+
+    monkeypatch.setattr(hkernels.dispatch, "run", spy)
+    g = torch.Generator().manual_seed(8)
+    with hkernels.use_backend(backend):
+        for i, n in enumerate(LENGTHS):
+            inputs, kwargs = _lengthed(op, n, g, device)
+            leaves = [x for x in inputs if x.requires_grad]
+            watching[0] = i >= 2
+            out = compiled(*inputs, **kwargs)
+            grads = torch.autograd.grad(out, leaves)
+            watching[0] = False
+            assert not called, f"{op} at {n} tokens called back into Python: {called}"
+            want = _llm_sum(fn(*inputs, **kwargs))
+            want_grads = torch.autograd.grad(want, leaves)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+            for got, ref in zip(grads, want_grads, strict=True):
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count <= (1 if dynamic else 2), f"{op}: {counter.frame_count} graphs for five lengths"

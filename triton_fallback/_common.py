@@ -143,6 +143,7 @@ def row_settings(
     A forward that names its ``op`` and ``device`` takes tuned settings first (see :func:`tuned_row_settings`).
     Remembered per arguments (the host work of a decode-size call is what a caller waits for), except while the
     tune command is searching."""
+    m = m if type(m) is int else 0  # (a symbolic row count: the settings never depend on it off the interpreter)
     if searching:
         return _row_settings(n, m, backward, op, device)
     return _row_settings_cached(n, m, backward, op, device)
@@ -161,7 +162,9 @@ def _row_settings(
     """The settings themselves (see row_settings): about 8192 elements per program for the forward kernels (2 rows
     of 4096 with 8 warps, 1 row of 8192 with 4); long rows go in 8192-element chunks with 16 warps (the norms'
     loops; softmax's split rows take their own, ``triton_fallback/softmax.py``'s SPLIT). The fastest of
-    ``python -m bench sweep``'s candidates (see bench/results/h200/README.md).
+    ``python -m bench sweep``'s candidates (see bench/results/h200/README.md). On a GPU they depend on N alone, so
+    one compiled kernel serves every row count (a row count symbolic in a compiled graph included); a block of
+    rows past M is masked off.
     """
     if op is not None and device is not None and not backward:
         tuned = tuned_row_settings(op, n, device)
@@ -177,10 +180,10 @@ def _row_settings(
         return RowSettings(False, 1, 32768, 4)
     if block_n <= max_resident and backward:
         # Softmax backward rows hold dy and y: one row per program, more threads per row (16 warps from 4096).
-        block_m = min(next_pow2(m), max(1, 2048 // block_n))
+        block_m = max(1, 2048 // block_n)
         return RowSettings(True, block_m, block_n, 16 if block_n >= 4096 else 8)
     if block_n <= max_resident:
-        block_m = min(next_pow2(m), max(1, 8192 // block_n))
+        block_m = max(1, 8192 // block_n)
         warps = 8 if block_m > 1 else max(4, min(16, block_n // 2048))
         return RowSettings(True, block_m, block_n, warps)
     return RowSettings(False, 1, 8192, 16)
@@ -199,13 +202,15 @@ def persistent_bwd_settings(n: int, m: int) -> RowSettings:
         return RowSettings(True, min(next_pow2(m), max(1, 4096 // block_n)), block_n, 4)
     if block_n >= 8192:
         return RowSettings(True, 1, block_n, 16, num_stages=3, programs_per_sm=1)
-    block_m = min(next_pow2(m), max(1, 4096 // block_n))
-    return RowSettings(True, block_m, block_n, 8, num_stages=3, programs_per_sm=2)
+    return RowSettings(True, max(1, 4096 // block_n), block_n, 8, num_stages=3, programs_per_sm=2)
 
 
 def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) -> int:
-    """Programs for a persistent grid over ``work_items``: a couple per multiprocessor, never more than items."""
-    return max(1, min(work_items, num_sms(device) * per_sm))
+    """Programs for a persistent grid over ``work_items``: a couple per multiprocessor, never more than items (at
+    least one). For a symbolic count of items (a compiled graph's varying length), the full count: a program past
+    the work loops zero times (and writes a zero partial), so nothing depends on the length's value."""
+    most = num_sms(device) * per_sm
+    return max(1, min(work_items, most)) if type(work_items) is int else most
 
 
 def tile_class(m: int, n: int, batch: int, sms: int) -> int:

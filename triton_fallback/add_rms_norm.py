@@ -14,6 +14,8 @@ from triton_fallback import rms_norm
 
 Tensor = torch.Tensor
 
+SYMBOLIC = frozenset({"add_rms_norm_fwd", "add_rms_norm_bwd"})  # (see triton_fallback/rms_norm.py)
+
 
 def add_rms_norm_fwd(
     x: Tensor, residual: Tensor, weight: Tensor | None, eps: float

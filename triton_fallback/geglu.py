@@ -16,6 +16,8 @@ import triton.language as tl
 
 from triton_fallback.swiglu import _tile, bind_gated, bind_gated_bwd
 
+SYMBOLIC = frozenset({"geglu_fwd", "geglu_bwd"})  # (see triton_fallback/rms_norm.py)
+
 Tensor = torch.Tensor
 
 # Constants are written as literals in the kernels (module-level tl.constexpr floats times a tensor fail in

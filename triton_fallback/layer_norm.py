@@ -27,6 +27,8 @@ from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
 
+SYMBOLIC = frozenset({"layer_norm_fwd", "layer_norm_bwd"})  # (see triton_fallback/rms_norm.py)
+
 
 @triton.jit
 def _layer_norm_fwd_kernel(
@@ -228,7 +230,7 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
               stats: bool = True) -> Callable[..., Any]:
     """``run(x, weight, bias, eps, out) -> (y, mean, rstd)``, y in ``out`` (default x.dtype); with ``stats=False``
     (a forward no backward follows) the statistics are neither allocated nor written, and ``run`` returns y."""
-    M, N = x.shape
+    M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic)
     dtype, device = out or x.dtype, x.device
     has_w, has_b = weight is not None, bias is not None
     sx = x.stride(0)
@@ -270,7 +272,7 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
 
 def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
               ) -> Callable[..., Any]:
-    M, N = x.shape
+    M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic)
     dtype, device = x.dtype, x.device
     has_w, has_b = weight is not None, bias is not None
     sdy, sx = dy.stride(0), x.stride(0)
@@ -285,7 +287,8 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
         s = row_settings(N, M, backward=True)
         dot = Bound(_layer_norm_bwd_dot_kernel, (M,), HAS_WEIGHT=has_w, BLOCK_N=s.block_n, num_warps=s.num_warps)
         col_blocks = cdiv(N, s.block_n)
-        parts = max(1, min(M, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks))
+        parts = max(1, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks)
+        parts = min(M, parts) if type(M) is int else parts
         k = Bound(_layer_norm_bwd_looped_kernel, (col_blocks, parts), **flags, BLOCK_N=s.block_n,
                   num_warps=s.num_warps)
     rows = cdiv(M, parts)

@@ -26,6 +26,10 @@ from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
 
+# The custom ops whose launches these host functions record with a symbolic row count (a compiled graph whose
+# length varies): their settings depend on N alone, grids and loop bounds on M through sym-safe arithmetic.
+SYMBOLIC = frozenset({"rms_norm_fwd", "rms_norm_bwd"})
+
 
 @triton.jit
 def _rms_norm_fwd_kernel(
@@ -219,7 +223,7 @@ def bind_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, stats: b
     eps) -> (y [M, N] in x.dtype, rstd [M] float32)``. With one: ``run(x, residual, weight, eps) -> (y, s, rstd)``,
     the row normalised being s = x + residual rounded to x's dtype, written out. ``stats=False`` (a forward no
     backward follows): rstd is neither allocated nor written, and not returned (``y``, or ``(y, s)``)."""
-    M, N = x.shape
+    M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic: the settings follow it)
     dtype, device = x.dtype, x.device
     has_w, has_r = weight is not None, residual is not None
     sx = x.stride(0)
@@ -272,7 +276,7 @@ def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rs
     """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd) ->
     (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)``; ``ds`` [M, N] or None is added to dx in float32
     before the one rounding."""
-    M, N = x.shape
+    M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic: the settings follow it)
     dtype, device = x.dtype, x.device
     has_w, has_ds = weight is not None, ds is not None
     sdy, sx = dy.stride(0), x.stride(0)
@@ -296,7 +300,8 @@ def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rs
     s = row_settings(N, M, backward=True)
     dot = Bound(_rms_norm_bwd_dot_kernel, (M,), HAS_WEIGHT=has_w, BLOCK_N=s.block_n, num_warps=s.num_warps)
     col_blocks = cdiv(N, s.block_n)
-    groups = max(1, min(M, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks))
+    groups = max(1, persistent_programs(device, M * col_blocks, per_sm=4) // col_blocks)
+    groups = min(M, groups) if type(M) is int else groups
     rows_per_group = cdiv(M, groups)
     k = Bound(_rms_norm_bwd_looped_kernel, (col_blocks, groups), HAS_DS=has_ds, HAS_WEIGHT=has_w,
               BLOCK_N=s.block_n, num_warps=s.num_warps)

@@ -17,6 +17,9 @@ import triton.language as tl
 from triton_fallback._common import cdiv, interpreting, memo, next_pow2, num_sms, searching, tuned_settings
 from triton_fallback._launch import Bound
 
+# The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py).
+SYMBOLIC = frozenset({"rope_fwd", "rope_bwd"})
+
 Tensor = torch.Tensor
 
 
@@ -109,7 +112,10 @@ def _tile_shape(T: int, H: int, D: int, programs_wanted: int, elements: int = TI
 
 def _launch_settings(T: int, Hq: int, Hk: int, D: int, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_SQ, BLOCK_HQ, BLOCK_SK, BLOCK_HK, num_warps) for T tokens; remembered, except while the tune command
-    searches."""
+    searches. A symbolic T (a compiled graph whose length varies) takes the full tiles: only the grid depends on
+    it."""
+    if type(T) is not int:
+        T = 1 << 40
     if searching:
         return _settings(T, Hq, Hk, D, device)
     return _settings_memo(T, Hq, Hk, D, device)
@@ -140,7 +146,7 @@ def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) ->
     """The rotation (or its transpose, ``backward``) for arguments of this signature: ``run(x_q, x_k, cos, sin) ->
     (q_out, k_out)``."""
     B, Hq, S, D = x_q.shape
-    Hk = x_k.shape[1]
+    Hq, D, Hk = int(Hq), int(D), int(x_k.shape[1])  # (specialised where a graph made them symbolic)
     assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
     assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
     qdtype, kdtype, device = x_q.dtype, x_k.dtype, x_q.device
@@ -148,7 +154,7 @@ def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool) ->
     tables_ok = cos.is_contiguous() and sin.is_contiguous()
     strides = (*x_q.stride()[:3], *x_k.stride()[:3], 0 if cos.shape[0] == 1 else S * D)
     k = None
-    if T:
+    if type(T) is not int or T:  # (a symbolic T is 2 or more)
         bsq, bhq, bsk, bhk, warps = _launch_settings(T, Hq, Hk, D, device)
         tiles = cdiv(T, bsq) * cdiv(Hq, bhq) + cdiv(T, bsk) * cdiv(Hk, bhk)
         k = Bound(_rope_kernel, (tiles,), HALF=D // 2, BACKWARD=backward, BLOCK_HALF=next_pow2(D // 2),

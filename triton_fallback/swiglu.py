@@ -22,6 +22,8 @@ from triton_fallback._launch import Bound
 
 Tensor = torch.Tensor
 
+SYMBOLIC = frozenset({"swiglu_fwd", "swiglu_bwd"})  # traced at a symbolic row count (see triton_fallback/rms_norm.py)
+
 
 @triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -86,18 +88,21 @@ def launch_settings(M: int, N: int, device: torch.device, elements: int = 2048) 
     of 1024-8192 elements and 4-16 warps, at the copy rate of the GPU (see bench/results/h200/README.md). Column
     blocks are powers of two that divide N where one does (no half-empty last block); short rows stack several rows
     per tile. Small inputs take smaller tiles, so that
-    even one row (a decoding step) spreads over a few programs per multiprocessor instead of a handful.
+    even one row (a decoding step) spreads over a few programs per multiprocessor instead of a handful. A symbolic
+    M (a compiled graph whose length varies) takes the full tiles: only the grid depends on it.
     """
+    concrete = type(M) is int
     if interpreting():
         elements = 65536  # the interpreter runs programs one after another: few, large programs run fastest
-    else:
+    elif concrete:
         # at least ~2 programs per multiprocessor when the input allows, tiles of at least 512 elements
         per_program = next_pow2(max(1, (M * N) // (2 * num_sms(device))))
         elements = max(512, min(elements, per_program))
     block_n = min(next_pow2(N), elements)
     while block_n > 512 and block_n < N and N % block_n != 0 and N % (block_n // 2) == 0:
         block_n //= 2
-    block_m = min(next_pow2(M), max(1, elements // block_n))
+    block_m = max(1, elements // block_n)
+    block_m = min(next_pow2(M), block_m) if concrete else block_m
     num_warps = 4 if block_m * block_n <= 2048 else 8
     programs = cdiv(M, block_m) * cdiv(N, block_n)
     return LaunchSettings(block_m, block_n, num_warps, programs)
@@ -116,7 +121,7 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
 def bind_gated(kernel: Any, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Tensor]:
     """A gated forward (swiglu's, geglu's with its ``meta``) for arguments of this signature: ``run(gate, up, *_)
     -> y [M, N]``."""
-    M, N = gate.shape
+    M, N = gate.shape[0], int(gate.shape[1])  # (N specialised where a graph made it symbolic)
     dtype, device, sg, su = gate.dtype, gate.device, gate.stride(0), up.stride(0)
     s = launch_settings(M, N, device)
     k = Bound(kernel, (s.programs,), **meta, BLOCK_M=s.block_m, BLOCK_N=s.block_n, num_warps=s.num_warps)
@@ -130,7 +135,7 @@ def bind_gated(kernel: Any, gate: Tensor, up: Tensor, **meta: Any) -> Callable[.
 
 def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Any]:
     """A gated backward for arguments of this signature: ``run(dy, gate, up, *_) -> (dgate, dup)``."""
-    M, N = gate.shape
+    M, N = gate.shape[0], int(gate.shape[1])
     dtype, device = gate.dtype, gate.device
     strides = (dy.stride(0), gate.stride(0), up.stride(0))
     s = launch_settings(M, N, device)

@@ -567,7 +567,8 @@ def traced(opdef: Any) -> None:
             except dispatch.BackendUnavailableError:
                 chosen = ("", "")  # the body raises the error, with its reason, when it runs
             if not ((chosen[0] == "torch" and op in _SYNCING_TORCH) or (op, chosen[0]) in _OPAQUE_IN_GRAPHS
-                    or (chosen[0] != "torch" and (_interpret.interpreting() or _symbolic(tensors)))):
+                    or (chosen[0] != "torch" and (_interpret.interpreting() or (
+                        _symbolic(tensors) and not dispatch.takes_symbolic(op, chosen[0], name))))):
                 try:
                     with mode, _plan.tracing():
                         return body(*args, **kwargs)

@@ -236,12 +236,17 @@ def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.dev
     return compiled(kernel, args, n, device), bound_launcher()
 
 
-@functools.cache
 def like(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty tensor of ``dtype``: the argument a kernel whose result's dtype is not its input's reads it from
-    (host code only; never launched with)."""
-    with _outside_modes():
+    (host code only; never launched with). While a graph is traced, the tracer's own (dead code there)."""
+    if _plan.TRACING:
         return torch.empty(0, dtype=dtype, device=device)
+    return _like(dtype, device)
+
+
+@functools.cache
+def _like(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def forget() -> None:
