@@ -234,6 +234,7 @@ def main() -> None:
                     return (*outs, *[call[i] for i in written])
 
                 _AS_INDUCTOR.clear()
+                _base._warned_untraceable.clear()  # (each trace reports its own failure)
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")

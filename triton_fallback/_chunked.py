@@ -80,8 +80,8 @@ def linear_cross_entropy(
     given the loss options: the logit ``softcap``, the z-loss ``z_scale`` (each token's z term written to ``z``
     [T] float32 when given), ``stats`` (each token's predicted class and entropy written there when given) and the
     classes' weights ``class_weight`` [V] float32."""
-    T, H = hidden.shape
-    V = weight.shape[0]
+    T, H = hidden.shape[0], int(hidden.shape[1])  # (H and V specialised where a graph made them symbolic)
+    V = int(weight.shape[0])
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grad else None
     grad_weight = torch.zeros_like(weight) if with_grad else None

@@ -18,6 +18,10 @@ from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
 
+# The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py):
+# a persistent grid of a fixed size there, looping to the row count.
+SYMBOLIC = frozenset({"cross_entropy_fwd", "cross_entropy_grad", "loss_grad_scale_"})
+
 
 @triton.jit
 def _tanh(x):
@@ -202,7 +206,7 @@ def cross_entropy_fwd(
     is written to ``z`` [T] float32 when given); ``stats`` (pred [T] int64, entropy [T] float32): each row's
     predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there; ``weight`` [V]
     float32: the classes' weights (F.cross_entropy's), unreduced."""
-    T, V = logits.shape
+    T, V = logits.shape[0], int(logits.shape[1])  # (V specialised where a graph made it symbolic)
     loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     tuned = tuned_settings("cross_entropy", V, logits.device)  # from python -m hkernels.tune, if it ran here
     if tuned:
@@ -226,7 +230,7 @@ def cross_entropy_fwd(
 
 def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:
     """grad [R, V] *= dloss [R] (any stride, stride 0 for one factor), in place; rows with factor 1 untouched."""
-    R, V = grad.shape
+    R, V = grad.shape[0], int(grad.shape[1])
     block = min(next_pow2(V), 32768 if interpreting() else 4096)
     launch(_cross_entropy_bwd_kernel, (R,),
         grad, dloss, V, grad.stride(0), dloss.stride(0), BLOCK_V=block, num_warps=4 if block <= 2048 else 8
