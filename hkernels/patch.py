@@ -12,9 +12,11 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
   :func:`hkernels.geglu`;
 - ``rope``: the module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of the modules that define the model's
-  classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3
-  modules, the function itself or the module ``kernels`` wraps it in under transformers 5; or a function marked
-  ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`;
+  classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3,
+  Qwen2-VL and Qwen2.5-VL modules, the function itself or the module ``kernels`` wraps it in under transformers 5;
+  or a function marked ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`; and
+  Qwen2-VL's and Qwen2.5-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x's mRoPE) -> :func:`hkernels.rope`
+  with ``mrope_section``;
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules (class weights included) -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
@@ -116,7 +118,11 @@ HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"
 HF_OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
 # Hugging Face modeling modules whose apply_rotary_pos_emb is the full rotate_half rotation (not interleaved, not
 # partial): replaced by hkernels.rope. Other modules opt in by marking the function hkernels_rope = "rotate_half".
-HF_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3"))
+HF_ROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3",
+                                                                          "qwen2_vl", "qwen2_5_vl"))
+# ... and those whose apply_multimodal_rotary_pos_emb is mRoPE over three position streams (transformers 4.x;
+# transformers 5 selects the streams in the rotary embedding and calls apply_rotary_pos_emb).
+HF_MROPE_MODULES = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("qwen2_vl", "qwen2_5_vl"))
 
 
 def _hf_rms_norm(m: nn.Module) -> tuple[float, float] | None:
@@ -217,7 +223,17 @@ def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) 
     return _rope.rope(q, k, cos, sin)
 
 
+def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section: list[int],
+                                    unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Qwen2-VL's and Qwen2.5-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x) on :func:`hkernels.rope`
+    with ``mrope_section``: q, k [B, H, S, D] (``unsqueeze_dim=1``) or [B, S, H, D] (``unsqueeze_dim=2``); cos, sin
+    [3, B, S, D], three position streams."""
+    cos, sin = _rope.mrope_tables(cos, sin, mrope_section)
+    return _rotate(q, k, cos, sin, unsqueeze_dim)
+
+
 apply_rotary_pos_emb.hkernels = apply_rotary_pos_emb_v5.hkernels = True  # type: ignore[attr-defined]
+apply_multimodal_rotary_pos_emb.hkernels = True  # type: ignore[attr-defined]
 
 
 def _parameters(fn: Any) -> list[str] | None:
@@ -782,6 +798,16 @@ def _patch_rope(model: nn.Module, tally: _Tally) -> None:
     """The module-level apply_rotary_pos_emb of the modules that define the model's classes."""
     for mod_name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(mod_name)
+        multimodal = getattr(mod, "apply_multimodal_rotary_pos_emb", None)
+        if multimodal is not None and mod_name in HF_MROPE_MODULES:
+            where = f"{mod_name}.apply_multimodal_rotary_pos_emb"
+            if getattr(multimodal, "hkernels", False):
+                tally.ours["rope"] += 1
+            elif _parameters(multimodal) == ["q", "k", "cos", "sin", "mrope_section", "unsqueeze_dim"]:
+                mod.apply_multimodal_rotary_pos_emb = apply_multimodal_rotary_pos_emb
+                tally.add(Replacement(where, "rope", "function", multimodal, apply_multimodal_rotary_pos_emb))
+            else:
+                tally.note("rope", f"{where} has a signature hkernels does not know: {_parameters(multimodal)}")
         fn = getattr(mod, "apply_rotary_pos_emb", None)
         if fn is None:
             continue
@@ -792,8 +818,8 @@ def _patch_rope(model: nn.Module, tally: _Tally) -> None:
         known = mod_name in HF_ROPE_MODULES or getattr(fn, "hkernels_rope", None) == "rotate_half"
         if not known:
             tally.note("rope", f"{where} is not known to be the full rotate_half rotation (hkernels knows "
-                               "transformers' Llama, Mistral, Qwen2 and Qwen3; mark others hkernels_rope = "
-                               "'rotate_half')")
+                               "transformers' Llama, Mistral, Qwen2, Qwen3, Qwen2-VL and Qwen2.5-VL; mark others "
+                               "hkernels_rope = 'rotate_half')")
             continue
         ours = _rope_for(fn) if callable(fn) else None
         if ours is None:

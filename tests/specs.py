@@ -217,14 +217,18 @@ def _rope_positions(g: torch.Generator, kind: str, b: int, s: int, p: int) -> Te
 
 
 def _rope_case(name: str, b: int, hq: int, hk: int, s: int, d: int, batch_tables: bool = False,
-               transposed: bool = False, gpu_only: bool = False, positions: str | None = None) -> Case:
+               transposed: bool = False, gpu_only: bool = False, positions: str | None = None,
+               mrope: list[int] | None = None) -> Case:
     def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if transposed:  # q, k as views of [B, S, H, D] projections: strides (S·H·D, D, H·D, 1)
             q = _randn(g, b, s, hq, d).transpose(1, 2)
             k = _randn(g, b, s, hk, d).transpose(1, 2)
         else:
             q, k = _randn(g, b, hq, s, d), _randn(g, b, hk, s, d)
-        if positions is not None:  # tables [P, D] of more positions than tokens, read at position_ids
+        if mrope is not None:  # three streams' tables [3, (B,) S, D], chunks of the head dim from each in turn
+            angles = _randn(g, 3, *((b,) if batch_tables else ()), s, d, scale=3.0)
+            kwargs = {"mrope_section": list(mrope)}
+        elif positions is not None:  # tables [P, D] of more positions than tokens, read at position_ids
             angles = _randn(g, s + 7, d, scale=3.0)
             kwargs = {"position_ids": _rope_positions(g, positions, b, s, s + 7)}
         else:
@@ -326,6 +330,11 @@ CASES_LLM: list[Case] = [
     _rope_case("shared_positions", 2, 2, 1, 5, 64, positions="shared"),
     _rope_case("transposed_packed", 2, 4, 2, 9, 128, transposed=True, positions="packed"),
     _rope_case("llama_8b_packed", 2, 32, 8, 256, 128, transposed=True, gpu_only=True, positions="packed"),
+    _rope_case("mrope", 2, 4, 2, 7, 16, mrope=[2, 3, 3]),
+    _rope_case("mrope_batch_tables_transposed", 2, 4, 2, 9, 64, batch_tables=True, transposed=True,
+               mrope=[8, 12, 12]),
+    _rope_case("qwen2_5_vl_7b_mrope", 1, 28, 4, 512, 128, batch_tables=True, transposed=True, gpu_only=True,
+               mrope=[16, 24, 24]),
     *[
         Case("add_rms_norm", f"{name}{'-weight' if w else ''}",
              lambda g, s=shape, w=w: ({"x": _randn(g, *s), "residual": _randn(g, *s, scale=2.0),

@@ -676,3 +676,18 @@ def test_ten_thousand_calls_leave_memory_flat(op, backend, device):
     assert after == gpu, f"{op} on {backend}: GPU memory changed by {after - gpu} bytes over 8,000 calls"
     grew = _rss_bytes() - host
     assert grew < 8000 * 2048, f"{op} on {backend}: host memory grew {grew / 2**20:.1f} MiB over 8,000 calls"
+
+
+def test_mrope_section_errors_name_the_op(device):
+    """rope's mrope_section: a section that does not sum to D / 2, tables without three streams, or position_ids
+    beside it, each a clear error naming the op."""
+    q, k = torch.randn(1, 2, 3, 8, device=device), torch.randn(1, 1, 3, 8, device=device)
+    three = torch.randn(3, 3, 8, device=device)
+    with pytest.raises(ValueError, match=r"hkernels\.rope: mrope_section \[1, 1, 1\] must sum to D / 2"):
+        hkernels.rope(q, k, three, three, mrope_section=[1, 1, 1])
+    with pytest.raises(ValueError, match=r"hkernels\.rope: with mrope_section, cos must be \[3, S, D\]"):
+        hkernels.rope(q, k, three[:2], three, mrope_section=[2, 1, 1])
+    with pytest.raises(TypeError, match=r"hkernels\.rope: mrope_section must be a list of positive ints"):
+        hkernels.rope(q, k, three, three, mrope_section=[2, 2.0])
+    with pytest.raises(ValueError, match=r"hkernels\.rope: mrope_section takes its positions"):
+        hkernels.rope(q, k, three, three, position_ids=torch.arange(3, device=device), mrope_section=[2, 1, 1])

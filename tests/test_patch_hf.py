@@ -1,5 +1,6 @@
-"""hkernels.patch on Hugging Face's own Llama, Mistral, Qwen2, Gemma 2/3 and MoE classes (tiny random-init configs,
-no downloads): what it replaces, loss and gradients against the unpatched model, unpatch, state_dicts both ways."""
+"""hkernels.patch on Hugging Face's own Llama, Mistral, Qwen2, Qwen2.5-VL's text model, Gemma 2/3 and MoE classes
+(tiny random-init configs, no downloads): what it replaces, loss and gradients against the unpatched model,
+unpatch, state_dicts both ways."""
 
 from __future__ import annotations
 
@@ -684,3 +685,50 @@ def test_hf_gemma_loss_with_final_logit_softcap_runs_on_the_linear_loss(family, 
         unpatch(model)
     torch.testing.assert_close(out.loss, want, rtol=1e-4, atol=1e-5)
     _same_grads(model, plain)
+
+
+def _tiny_qwen2_5_vl_text(device: torch.device):
+    """Qwen2.5-VL's text model (mRoPE: three position streams), tiny and random; position ids whose streams differ
+    (an image's height and width positions), so that a rotation reading the wrong stream shows."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    section = [2, 3, 3]  # head dim 16
+    if "rope_parameters" in inspect.signature(transformers.Qwen2_5_VLTextConfig.__init__).parameters:
+        cfg = transformers.Qwen2_5_VLTextConfig(**common, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+    else:  # transformers 4.x
+        cfg = transformers.Qwen2_5_VLTextConfig(**common, rope_scaling={"type": "mrope", "mrope_section": section})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLTextModel(cfg).to(device)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 96, (2, 10), generator=g).to(device)
+    t = torch.arange(10).expand(2, 10)
+    positions = torch.stack([t, t // 3, t % 3 + 2]).to(device)  # [3, B, S]
+    return model, ids, positions
+
+
+def test_hf_qwen2_5_vl_text_model_runs_mrope_on_hkernels(device):
+    """Qwen2.5-VL's text model patched: its rope (mRoPE over three position streams: transformers 4's
+    apply_multimodal_rotary_pos_emb, or 5's apply_rotary_pos_emb after the rotary embedding selects the streams)
+    runs on hkernels.rope, with the norms and the MLP; hidden states and every gradient as the unpatched model's."""
+    model, ids, positions = _tiny_qwen2_5_vl_text(device)
+    plain = copy.deepcopy(model)
+    up = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    want = plain(input_ids=ids, position_ids=positions).last_hidden_state
+    (want * up).sum().backward()
+    done = hkernels.patch(model)
+    try:
+        assert {"rms_norm", "swiglu", "rope"} <= {r.op for r in done}, sorted({r.op for r in done})
+        module = importlib.import_module(type(model).__module__)
+        if hasattr(module, "apply_multimodal_rotary_pos_emb"):  # transformers 4: the mRoPE function itself
+            ours = importlib.import_module("hkernels.patch").apply_multimodal_rotary_pos_emb
+            assert module.apply_multimodal_rotary_pos_emb is ours
+        with hkernels.use_backend("triton"):
+            got = model(input_ids=ids, position_ids=positions).last_hidden_state
+            (got * up).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)

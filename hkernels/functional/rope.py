@@ -29,7 +29,8 @@ from hkernels.functional._base import (
 OP = "rope"
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None,
+         mrope_section: list[int] | tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
     """Rotary position embedding in Hugging Face's rotate_half convention: ``x·cos + rotate_half(x)·sin``.
 
     q: [B, Hq, S, D], k: [B, Hk, S, D] (Hk may differ from Hq: GQA), one dtype, D even; any strides with unit
@@ -42,10 +43,57 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
     inside a row (packed sequences). The positions are not checked on the host (a sync): a position outside
     [0, P) reads no memory out of bounds and gives NaN for that token's q_rot and k_rot (and their gradients);
     ``HKERNELS_CHECK=1`` raises instead.
+
+    With ``mrope_section`` (Qwen2-VL's and Qwen2.5-VL's multimodal rope, e.g. [16, 24, 24] for D = 128): cos, sin
+    are [3, S, D] or [3, B, S, D], the tables of three position streams (temporal, height, width), and the head
+    dim, split into chunks of ``mrope_section * 2`` elements (its sum is D / 2), takes chunk i's angles from stream
+    i mod 3, as transformers' ``apply_multimodal_rotary_pos_emb`` does. The selected tables [B, S, D] are made by
+    one small gather (3·B·S·D elements read, B·S·D written per table: a few % of q's and k's bytes), then rotated
+    by the same kernels. Not with ``position_ids``.
     """
+    if mrope_section is not None:
+        if position_ids is not None:
+            raise ValueError("hkernels.rope: mrope_section takes its positions in cos and sin (three streams), not "
+                             "position_ids")
+        cos, sin = mrope_tables(cos, sin, mrope_section, q)
     if position_ids is None:
         return _CALLS(q, k, cos, sin)
     return _CALLS_AT(q, k, cos, sin, position_ids)
+
+
+def mrope_tables(cos: Tensor, sin: Tensor, mrope_section: list[int] | tuple[int, ...], q: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """Multimodal rope's tables: cos, sin [3, S, D] or [3, B, S, D] (three position streams) -> [S, D] or [B, S, D],
+    element d taken from stream i mod 3 where chunk i of ``mrope_section * 2`` holds d. Differentiable (a gather)."""
+    if (not isinstance(mrope_section, (list, tuple)) or not mrope_section
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mrope_section)):
+        raise TypeError(f"hkernels.rope: mrope_section must be a list of positive ints, got {mrope_section!r}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or t.shape[0] != 3:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"hkernels.rope: with mrope_section, {name} must be [3, S, D] or [3, B, S, D] (three "
+                             f"position streams), got {got}")
+    D = cos.shape[-1]
+    if 2 * sum(mrope_section) != D:
+        raise ValueError(f"hkernels.rope: mrope_section {list(mrope_section)} must sum to D / 2 = {D / 2} (D = {D})")
+    if q is not None and q.dim() == 4 and q.shape[-1] != D:
+        raise ValueError(f"hkernels.rope: cos and sin have D = {D}, q has {q.shape[-1]}")
+    stream = _streams(tuple(mrope_section), cos.device)  # [D]: the stream of each element
+    index = stream.view(1, *([1] * (cos.dim() - 2)), D).expand(1, *cos.shape[1:])
+    return cos.gather(0, index).squeeze(0), sin.gather(0, index).squeeze(0)
+
+
+_STREAMS: dict[tuple[Any, ...], Tensor] = {}
+
+
+def _streams(section: tuple[int, ...], device: torch.device) -> Tensor:
+    """[D] int64: which of the three streams each element of the head dim reads (chunk i of section * 2: i mod 3)."""
+    key = (section, device)
+    found = _STREAMS.get(key)
+    if found is None:
+        found = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section * 2)]).to(device)
+        _STREAMS[key] = found
+    return found
 
 
 _INT = (torch.int32, torch.int64)
@@ -208,13 +256,19 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
-              position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None = None,
+              mrope_section: list[int] | tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
     """Rotary embedding, Hugging Face's rotate_half form: x·cos + rotate_half(x)·sin for x in (q, k).
 
     q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [S, D] or [B, S, D] (broadcast over heads); with position_ids [S] or
-    [B, S], cos/sin [P, D] are tables read at those rows (NaN rows for positions outside [0, P)).
+    [B, S], cos/sin [P, D] are tables read at those rows (NaN rows for positions outside [0, P)); with
+    mrope_section, cos/sin [3, (B,) S, D] of three streams, chunk i of the head dim (chunks of mrope_section * 2)
+    from stream i mod 3, as transformers' apply_multimodal_rotary_pos_emb.
     """
+    if mrope_section is not None:
+        split = list(mrope_section) * 2
+        cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(split, dim=-1))], dim=-1)
+        sin = torch.cat([c[i % 3] for i, c in enumerate(sin.split(split, dim=-1))], dim=-1)
     if position_ids is not None:
         cos, sin = _at(cos, sin, position_ids)
     ct = compute_dtype(q.dtype)
