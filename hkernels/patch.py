@@ -10,7 +10,8 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
 - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
 - ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
-  :func:`hkernels.geglu`;
+  :func:`hkernels.geglu`; Falcon-H1's, with its ``gate_multiplier`` and ``down_multiplier``, on swiglu's
+  multipliers;
 - ``rope``: the module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of the modules that define the model's
   classes, where it is known to be the full rotate_half rotation (Hugging Face's Llama, Mistral, Qwen2, Qwen3,
   Qwen2-VL and Qwen2.5-VL modules, the function itself or the module ``kernels`` wraps it in under transformers 5;
@@ -180,11 +181,18 @@ def _new_loss(m: nn.Module) -> nn.Module | None:
 
 
 def _mlp_gate(m: nn.Module) -> str | None:
-    """"swiglu" / "geglu" for a Llama-style MLP whose activation hkernels has, else None."""
+    """"swiglu" / "geglu" for a Llama-style MLP whose activation hkernels has, else None. An MLP with Falcon-H1's
+    ``gate_multiplier`` and ``down_multiplier`` is a SwiGLU with those multipliers, where its down projection has
+    no bias (the result's multiplier is fused before it); else None."""
     if not all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
         return None
     act = getattr(m, "act_fn", None)
-    if isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"):
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+    if hasattr(m, "gate_multiplier") or hasattr(m, "down_multiplier"):
+        multipliers = (getattr(m, "gate_multiplier", 1.0), getattr(m, "down_multiplier", 1.0))
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in multipliers)
+        return "swiglu" if silu and numbers and (m.down_proj.bias is None or multipliers[1] == 1) else None
+    if silu:
         return "swiglu"
     if (isinstance(act, nn.GELU) and act.approximate == "tanh") or type(act).__name__ in (
             "GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"):
@@ -194,6 +202,12 @@ def _mlp_gate(m: nn.Module) -> str | None:
 
 def _swiglu_forward(self: nn.Module, x: Tensor) -> Tensor:
     return self.down_proj(_swiglu.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _swiglu_multiplied_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """Falcon-H1's MLP: ``down_proj(up · silu(gate · gate_multiplier)) · down_multiplier``, the multipliers fused."""
+    return self.down_proj(_swiglu.swiglu(self.gate_proj(x), self.up_proj(x), getattr(self, "gate_multiplier", 1.0),
+                                         getattr(self, "down_multiplier", 1.0)))
 
 
 def _geglu_forward(self: nn.Module, x: Tensor) -> Tensor:
@@ -752,9 +766,12 @@ def _patch_forwards(model: nn.Module, tally: _Tally) -> None:
         gate = _mlp_gate(m)
         if gate is not None and gate in wanted:
             if own is None:
-                m.forward = _bind(m, _swiglu_forward if gate == "swiglu" else _geglu_forward)
+                multiplied = hasattr(m, "gate_multiplier") or hasattr(m, "down_multiplier")
+                m.forward = _bind(m, _geglu_forward if gate == "geglu" else _swiglu_multiplied_forward if multiplied
+                                  else _swiglu_forward)
                 tally.add(Replacement(path or "<model>", gate, "forward", type(m).forward, m.forward))
-            elif getattr(own, "__qualname__", None) in (_swiglu_forward.__qualname__, _geglu_forward.__qualname__):
+            elif getattr(own, "__qualname__", None) in (_swiglu_forward.__qualname__, _geglu_forward.__qualname__,
+                                                        _swiglu_multiplied_forward.__qualname__):
                 tally.ours[gate] += 1
             else:
                 tally.note(gate, f"{path or '<model>'} has its forward replaced on the instance")

@@ -311,6 +311,7 @@ _NORM_SHAPES = SHAPES
 
 CASES_LLM: list[Case] = [
     *_gated("swiglu", _ELEMENTWISE),
+    *_gated("swiglu", [("odd", (7, 37)), ("3d", (2, 3, 100))], gate_multiplier=0.7, down_multiplier=1.3),  # Falcon-H1
     *_gated("geglu", _ELEMENTWISE, approximate="tanh"),
     *_gated("geglu", [("odd", (7, 37)), ("3d", (2, 3, 100))], approximate="none"),
     Case("swiglu", "large_gate", lambda g: ({"gate": torch.linspace(-120, 120, 64, dtype=torch.float64).reshape(2, 32),

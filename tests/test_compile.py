@@ -165,7 +165,7 @@ def test_llm_custom_op_registration(op, fused, device):
     inputs, _ = _llm_inputs(op, device)
     ops = torch.ops.hkernels
     custom_op, args = {
-        "swiglu": lambda a: (ops.swiglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), "")),
+        "swiglu": lambda a: (ops.swiglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), 1.0, 1.0, "")),
         "geglu": lambda a: (ops.geglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), "none", "")),
         "rope": lambda a: (ops.rope_fwd.default, (a[0], a[1], a[2][None], a[3][None], "")),
         "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, "")),

@@ -732,3 +732,31 @@ def test_hf_qwen2_5_vl_text_model_runs_mrope_on_hkernels(device):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     finally:
         unpatch(model)
+
+
+def test_hf_falcon_h1_mlp_keeps_its_multipliers(device):
+    """Falcon-H1's MLP (``down_proj(up · silu(gate · m_gate)) · m_down``) runs on swiglu with its multipliers fused:
+    output and every gradient as the unpatched module's. Without them the patch would be silently wrong."""
+    from transformers.models.falcon_h1 import modeling_falcon_h1
+
+    cfg = transformers.FalconH1Config(hidden_size=64, intermediate_size=112, mlp_multipliers=[0.7, 1.3])
+    torch.manual_seed(0)
+    mlp = modeling_falcon_h1.FalconH1MLP(cfg).to(device)
+    plain = copy.deepcopy(mlp)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    xp, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    up = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(5)).to(device)
+    want = plain(xp)
+    (want * up).sum().backward()
+    done = hkernels.patch(mlp, ops=["swiglu"])
+    try:
+        assert [r.op for r in done] == ["swiglu"]
+        with hkernels.use_backend("triton"):
+            got = mlp(xo)
+            (got * up).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xo.grad, xp.grad, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(mlp.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(mlp)

@@ -40,33 +40,39 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _swiglu_fwd_kernel(
     g_ptr, u_ptr, y_ptr,  # gate, up: [M, N] rows of unit column stride; y: [M, N] contiguous
     M, N, stride_g, stride_u,
+    alpha, beta,  # the gate's and the result's multipliers (1.0: plain SwiGLU, the products exact)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Reads a tile of gate and up once, writes the tile of y.
+    alpha = tl.cast(alpha, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
+    beta = tl.cast(beta, tl.float32)
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32) * alpha
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # σ(g) = 1 / (1 + e^-g): e^-g = inf for g < -88 gives σ = 0 and y = -0, never NaN.
-    y = g * tl.sigmoid(g) * u
+    y = g * tl.sigmoid(g) * u * beta
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Backward, with s = σ(g):  d silu/dg = s + g·s·(1 − s) = s·(1 + g·(1 − s)),
-#   dg = dy·u·s·(1 + g·(1 − s)),  du = dy·g·s.
-# At g → -∞, s = 0 and the product is 0 (g·(1 − s) stays finite); at g → +∞, 1 − s = 0 and dg = dy·u.
+# Backward, with a = α·g and s = σ(a):  d silu/da = s + a·s·(1 − s) = s·(1 + a·(1 − s)),
+#   dg = α·β·dy·u·s·(1 + a·(1 − s)),  du = β·dy·a·s.
+# At a → -∞, s = 0 and the product is 0 (a·(1 − s) stays finite); at a → +∞, 1 − s = 0 and dg = α·β·dy·u.
 @triton.jit
 def _swiglu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,  # dy, gate, up: [M, N], unit column stride; dg, du: [M, N] contiguous
     M, N, stride_dy, stride_g, stride_u,
+    alpha, beta,  # the forward's multipliers
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Reads a tile of dy, gate and up once, writes the tiles of dgate and dup.
+    alpha = tl.cast(alpha, tl.float32)
+    beta = tl.cast(beta, tl.float32)
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32) * beta
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32) * alpha
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    dg = dy * u * s * (1.0 + g * (1.0 - s)) * alpha
     du = dy * g * s
     out = rows[:, None] * N + cols[None, :]
     tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask)
@@ -108,19 +114,21 @@ def launch_settings(M: int, N: int, device: torch.device, elements: int = 2048) 
     return LaunchSettings(block_m, block_n, num_warps, programs)
 
 
-def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
-    """gate, up: [M, N] (unit column stride, any row stride) -> y = silu(gate)·up, [M, N] contiguous."""
-    return bind_gated(_swiglu_fwd_kernel, gate, up)(gate, up)
+def swiglu_fwd(gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0) -> Tensor:
+    """gate, up: [M, N] (unit column stride, any row stride) -> y = β·silu(α·gate)·up, [M, N] contiguous."""
+    return bind_gated(_swiglu_fwd_kernel, gate, up, scalars=(alpha, beta))(gate, up)
 
 
-def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0
+               ) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
-    return bind_gated_bwd(_swiglu_bwd_kernel, dy, gate, up)(dy, gate, up)
+    return bind_gated_bwd(_swiglu_bwd_kernel, dy, gate, up, scalars=(alpha, beta))(dy, gate, up)
 
 
-def bind_gated(kernel: Any, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Tensor]:
-    """A gated forward (swiglu's, geglu's with its ``meta``) for arguments of this signature: ``run(gate, up, *_)
-    -> y [M, N]``."""
+def bind_gated(kernel: Any, gate: Tensor, up: Tensor, scalars: tuple[float, ...] = (), **meta: Any
+               ) -> Callable[..., Tensor]:
+    """A gated forward (swiglu's with its multipliers ``scalars``, geglu's with its ``meta``) for arguments of this
+    signature: ``run(gate, up, *_) -> y [M, N]``."""
     M, N = gate.shape[0], int(gate.shape[1])  # (N specialised where a graph made it symbolic)
     dtype, device, sg, su = gate.dtype, gate.device, gate.stride(0), up.stride(0)
     s = launch_settings(M, N, device)
@@ -128,12 +136,13 @@ def bind_gated(kernel: Any, gate: Tensor, up: Tensor, **meta: Any) -> Callable[.
 
     def run(gate: Tensor, up: Tensor, *_: Any) -> Tensor:
         y = torch.empty((M, N), dtype=dtype, device=device)
-        k.go(gate, up, y, M, N, sg, su)
+        k.go(gate, up, y, M, N, sg, su, *scalars)
         return y
     return run
 
 
-def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, **meta: Any) -> Callable[..., Any]:
+def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, scalars: tuple[float, ...] = (), **meta: Any
+                   ) -> Callable[..., Any]:
     """A gated backward for arguments of this signature: ``run(dy, gate, up, *_) -> (dgate, dup)``."""
     M, N = gate.shape[0], int(gate.shape[1])
     dtype, device = gate.dtype, gate.device
@@ -144,11 +153,13 @@ def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, **meta: An
     def run(dy: Tensor, gate: Tensor, up: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
         dgate = torch.empty((M, N), dtype=dtype, device=device)
         dup = torch.empty((M, N), dtype=dtype, device=device)
-        k.go(dy, gate, up, dgate, dup, M, N, *strides)
+        k.go(dy, gate, up, dgate, dup, M, N, *strides, *scalars)
         return dgate, dup
     return run
 
 
 # Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
-swiglu_fwd.bind = lambda gate, up: bind_gated(_swiglu_fwd_kernel, gate, up)  # type: ignore[attr-defined]
-swiglu_bwd.bind = lambda dy, gate, up: bind_gated_bwd(_swiglu_bwd_kernel, dy, gate, up)  # type: ignore[attr-defined]
+swiglu_fwd.bind = lambda gate, up, alpha=1.0, beta=1.0: bind_gated(  # type: ignore[attr-defined]
+    _swiglu_fwd_kernel, gate, up, scalars=(alpha, beta))
+swiglu_bwd.bind = lambda dy, gate, up, alpha=1.0, beta=1.0: bind_gated_bwd(  # type: ignore[attr-defined]
+    _swiglu_bwd_kernel, dy, gate, up, scalars=(alpha, beta))

@@ -1,7 +1,8 @@
 """SwiGLU in Helion (the twin of ``triton_fallback/swiglu.py``).
 
-Math, element-wise over gate g and up u:  y = silu(g)·u = g·σ(g)·u.
-Backward:  dg = dy·u·σ(g)·(1 + g·(1 − σ(g))),  du = dy·g·σ(g).
+Math, element-wise over gate g and up u, with the multipliers α (the gate's) and β (the result's; both 1 for plain
+SwiGLU, Falcon-H1's ``mlp_multipliers`` otherwise):  y = β·silu(α·g)·u.
+Backward (a = α·g):  dg = α·β·dy·u·σ(a)·(1 + a·(1 − σ(a))),  du = β·dy·a·σ(a).
 
 Shapes: gate, up, dy: [M, N] with unit column stride and any row stride (e.g. the two halves of a [M, 2N]
 projection); outputs are contiguous [M, N] in gate's dtype. Bytes for b-byte elements: forward reads 2·M·N·b and
@@ -31,34 +32,34 @@ _INT32_MAX = 2**31 - 1
 
 
 @helion.kernel(static_shapes=False)
-def _swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
-    # gate, up: [M, N] -> y [M, N]; reads a tile of gate and up once, writes the tile of y.
+def _swiglu_fwd(gate: Tensor, up: Tensor, alpha: float, beta: float) -> Tensor:
+    # gate, up: [M, N] -> y = β·silu(α·gate)·up [M, N]; reads a tile of gate and up once, writes the tile of y.
     m, n = gate.size()
     n = hl.specialize(n)
     y = torch.empty([m, n], dtype=gate.dtype, device=gate.device)
     for tile_m, tile_n in hl.tile([m, n]):
-        gf = gate[tile_m, tile_n].to(torch.float32)
+        gf = gate[tile_m, tile_n].to(torch.float32) * alpha
         # σ(g) = 1 / (1 + e^-g): e^-g = inf for g < -88 gives σ = 0 and y = -0, never NaN.
-        y[tile_m, tile_n] = (gf * torch.sigmoid(gf) * up[tile_m, tile_n].to(torch.float32)).to(y.dtype)
+        y[tile_m, tile_n] = (gf * torch.sigmoid(gf) * up[tile_m, tile_n].to(torch.float32) * beta).to(y.dtype)
     return y
 
 
-# Backward, with s = σ(g):  d silu/dg = s + g·s·(1 − s) = s·(1 + g·(1 − s)),
-#   dg = dy·u·s·(1 + g·(1 − s)),  du = dy·g·s.
-# At g → -∞, s = 0 and the product is 0 (g·(1 − s) stays finite); at g → +∞, 1 − s = 0 and dg = dy·u.
+# Backward, with a = α·g and s = σ(a):  d silu/da = s + a·s·(1 − s) = s·(1 + a·(1 − s)),
+#   dg = α·β·dy·u·s·(1 + a·(1 − s)),  du = β·dy·a·s.
+# At a → -∞, s = 0 and the product is 0 (a·(1 − s) stays finite); at a → +∞, 1 − s = 0 and dg = α·β·dy·u.
 @helion.kernel(static_shapes=False)
-def _swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+def _swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, alpha: float, beta: float) -> tuple[Tensor, Tensor]:
     # dy, gate, up: [M, N] -> (dgate, dup) [M, N]; reads a tile of each input once, writes the tiles of both.
     m, n = gate.size()
     n = hl.specialize(n)
     dgate = torch.empty([m, n], dtype=gate.dtype, device=gate.device)
     dup = torch.empty([m, n], dtype=gate.dtype, device=gate.device)
     for tile_m, tile_n in hl.tile([m, n]):
-        dyf = dy[tile_m, tile_n].to(torch.float32)
-        gf = gate[tile_m, tile_n].to(torch.float32)
+        dyf = dy[tile_m, tile_n].to(torch.float32) * beta
+        gf = gate[tile_m, tile_n].to(torch.float32) * alpha
         uf = up[tile_m, tile_n].to(torch.float32)
         s = torch.sigmoid(gf)
-        dgate[tile_m, tile_n] = (dyf * uf * s * (1.0 + gf * (1.0 - s))).to(dgate.dtype)
+        dgate[tile_m, tile_n] = (dyf * uf * s * (1.0 + gf * (1.0 - s)) * alpha).to(dgate.dtype)
         dup[tile_m, tile_n] = (dyf * gf * s).to(dup.dtype)
     return dgate, dup
 
@@ -87,16 +88,27 @@ def bind(kernel: helion.Kernel, wide: dict[str, helion.Kernel], args: tuple[Any,
     return lambda *args: fn(*args, _launcher=launcher)
 
 
-def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
-    """gate, up: [M, N] (unit column stride, any row stride) -> y = silu(gate)·up, [M, N] contiguous."""
-    return bind(_swiglu_fwd, _WIDE, (gate, up))(gate, up)
+def swiglu_fwd(gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0) -> Tensor:
+    """gate, up: [M, N] (unit column stride, any row stride) -> y = β·silu(α·gate)·up, [M, N] contiguous."""
+    return _bind_fwd(gate, up, alpha, beta)(gate, up, alpha, beta)
 
 
-def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0
+               ) -> tuple[Tensor, Tensor]:
     """dy, gate, up: [M, N] (unit column stride) -> (dgate, dup), each [M, N] contiguous in gate's dtype."""
-    return bind(_swiglu_bwd, _WIDE, (dy, gate, up))(dy, gate, up)
+    return _bind_bwd(dy, gate, up, alpha, beta)(dy, gate, up, alpha, beta)
+
+
+def _bind_fwd(gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0) -> Callable[..., Tensor]:
+    run = bind(_swiglu_fwd, _WIDE, (gate, up, float(alpha), float(beta)))
+    return lambda gate, up, alpha=1.0, beta=1.0: run(gate, up, float(alpha), float(beta))
+
+
+def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, alpha: float = 1.0, beta: float = 1.0) -> Callable[..., Any]:
+    run = bind(_swiglu_bwd, _WIDE, (dy, gate, up, float(alpha), float(beta)))
+    return lambda dy, gate, up, alpha=1.0, beta=1.0: run(dy, gate, up, float(alpha), float(beta))
 
 
 # Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
-swiglu_fwd.bind = lambda gate, up: bind(_swiglu_fwd, _WIDE, (gate, up))  # type: ignore[attr-defined]
-swiglu_bwd.bind = lambda dy, gate, up: bind(_swiglu_bwd, _WIDE, (dy, gate, up))  # type: ignore[attr-defined]
+swiglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
+swiglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]
