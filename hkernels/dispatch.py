@@ -491,20 +491,19 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
     (see :func:`hkernels.functional._base.traced`)."""
     if request != "auto":
         return select(op, request, tensors, fn)
-    if _symbolic(tensors):  # a length that varies: a kernel backend that traces at any length, by static dims
-        backend, why = select(op, request, tensors, fn)
-        if not takes_symbolic(op, backend, fn) and backend != "torch":
-            other = "triton" if backend == "helion" else "helion"
-            if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn):
-                return other, f"auto: {other} traces at a symbolic length ({backend} would stay opaque)"
-        return backend, why
     found = _bucket(f"compiled:{op}", tensors, fn) if tensors and (tensors[0].is_cuda or _interpret.enabled()) \
         else None
     if found is not None and found[1]["backend"] == "torch":
         arch, bucket = found
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
-    return select(op, request, tensors, fn)
+    backend, why = select(op, request, tensors, fn)
+    if backend != "torch" and _symbolic(tensors) and not takes_symbolic(op, backend, fn):
+        # a length that varies: the kernel backend that traces at any length (by static dims), where one does
+        other = "triton" if backend == "helion" else "helion"
+        if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn):
+            return other, f"auto: {other} traces at a symbolic length ({backend} would stay opaque)"
+    return backend, why
 
 
 def takes_symbolic(op: str, backend: str, name: str) -> bool:

@@ -548,3 +548,29 @@ def test_auto_routes_windowed_attention_by_its_own_buckets(user_auto_table, monk
     assert hkernels.selected_backend("attention", q, k, v, causal=True, window=(5, 0)) == "triton"
     assert hkernels.selected_backend("attention", q, k, v, softcap=3.0) == "triton"
     assert hkernels.selected_backend("attention", q, k, v, causal=True) == "helion"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpret mode's routing (CPU tensors); a GPU runs the "
+                    "compiled five-length tests instead")
+def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
+    """Inside a graph, under auto, a call whose row count is symbolic goes to a kernel backend that traces it at any
+    length (its module's SYMBOLIC), not to one that would keep it opaque; the same call at a static length is
+    routed as before."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    rows = env.create_symintnode(env.create_symbol(12, ConstantSource("rows"), dynamic_dim=DimDynamic.DYNAMIC),
+                                 hint=12)
+    with FakeTensorMode(shape_env=env):
+        x, w = torch.empty(rows, 64), torch.empty(64)
+        static = torch.empty(12, 64)
+    assert dispatch.takes_symbolic("rms_norm", "triton", "rms_norm_fwd")
+    assert not dispatch.takes_symbolic("rms_norm", "helion", "rms_norm_fwd")
+    assert not dispatch.takes_symbolic("softmax", "triton", "softmax_fwd")
+    backend, why = dispatch.select_compiled("rms_norm", "auto", (x, w), "rms_norm_fwd")
+    assert backend == "triton", why
+    assert dispatch.select_compiled("rms_norm", "auto", (static, w), "rms_norm_fwd")[0] == "helion"
+    assert dispatch.select_compiled("softmax", "auto", (x,), "softmax_fwd")[0] == "helion"  # none traces it: opaque
+    assert not [str(g.expr) for g in env.guards if g.expr.free_symbols]  # routing read nothing of the length
