@@ -498,21 +498,25 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
     backend, why = select(op, request, tensors, fn)
-    if backend != "torch" and _symbolic(tensors) and not takes_symbolic(op, backend, fn):
+    if backend != "torch" and _symbolic(tensors) and not takes_symbolic(op, backend, fn, tensors):
         # a length that varies: the kernel backend that traces at any length (by static dims), where one does
         other = "triton" if backend == "helion" else "helion"
-        if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn):
+        if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn, tensors):
             return other, f"auto: {other} traces at a symbolic length ({backend} would stay opaque)"
     return backend, why
 
 
-def takes_symbolic(op: str, backend: str, name: str) -> bool:
-    """``backend``'s host functions for ``op`` record the launches of custom op ``name`` (``hkernels::<name>``) into a
-    compiled graph with a symbolic row count (its module's ``SYMBOLIC``): the torch backend always does."""
+def takes_symbolic(op: str, backend: str, name: str, tensors: tuple[torch.Tensor, ...] = ()) -> bool:
+    """``backend``'s host functions for ``op`` record the launches of custom op ``name`` (``hkernels::<name>``) on
+    ``tensors`` into a compiled graph with a symbolic row count (its module's ``SYMBOLIC``, and its
+    ``symbolic_ok(name, tensors)`` where it has one): the torch backend always does."""
     if backend == "torch":
         return True
     module = registry.load(op, backend)
-    return not isinstance(module, str) and name in getattr(module, "SYMBOLIC", ())
+    if isinstance(module, str) or name not in getattr(module, "SYMBOLIC", ()):
+        return False
+    ok = getattr(module, "symbolic_ok", None)
+    return ok is None or not tensors or bool(ok(name, tensors))
 
 
 def _symbolic(tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -330,8 +330,8 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 
 
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
-SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "rope",
-                                              "cross_entropy", "fused_linear_cross_entropy")]
+SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
+                                              "rope", "cross_entropy", "fused_linear_cross_entropy")]
 
 
 # A fake CUDA tensor cannot be viewed or sliced in a CPU-only build of torch: what the trace check cannot reach.
@@ -367,7 +367,7 @@ def test_every_kernel_launch_is_traced_into_the_graph():
     # at a symbolic length (a graph whose length varies): traced with no guard on the row count where declared
     for op, backend in SYMBOLIC_TRACED:
         assert any(k.startswith(f"{op} ") and k.endswith(f" {backend} symbolic") for k in ok), (op, backend)
-    for op in ("rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "rope"):  # (what a CPU reaches)
+    for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope"):  # (a CPU reaches)
         for fn in ("fwd", "bwd"):
             assert f"{op} {op}_{fn}.default triton symbolic" in ok, (op, fn)
 

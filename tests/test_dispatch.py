@@ -568,9 +568,12 @@ def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
         static = torch.empty(12, 64)
     assert dispatch.takes_symbolic("rms_norm", "triton", "rms_norm_fwd")
     assert not dispatch.takes_symbolic("rms_norm", "helion", "rms_norm_fwd")
-    assert not dispatch.takes_symbolic("softmax", "triton", "softmax_fwd")
+    with FakeTensorMode(shape_env=env):
+        long_rows = torch.empty(rows, 100000)
+    assert dispatch.takes_symbolic("softmax", "triton", "softmax_fwd", (x,))  # rows kept in registers
+    assert not dispatch.takes_symbolic("softmax", "triton", "softmax_fwd", (long_rows,))  # split rows: opaque
     backend, why = dispatch.select_compiled("rms_norm", "auto", (x, w), "rms_norm_fwd")
     assert backend == "triton", why
     assert dispatch.select_compiled("rms_norm", "auto", (static, w), "rms_norm_fwd")[0] == "helion"
-    assert dispatch.select_compiled("softmax", "auto", (x,), "softmax_fwd")[0] == "helion"  # none traces it: opaque
+    assert dispatch.select_compiled("softmax", "auto", (long_rows,), "softmax_fwd")[0] == "helion"  # (opaque)
     assert not [str(g.expr) for g in env.guards if g.expr.free_symbols]  # routing read nothing of the length

@@ -26,6 +26,18 @@ SPLIT = RowSettings(False, 1, 4096, 4, programs_per_sm=8)
 SPLIT_BWD = RowSettings(False, 1, 8192, 8, programs_per_sm=2)
 SPLIT_LAG = 1
 
+# The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py),
+# for rows kept in registers (symbolic_ok): the split kernels' persistent grid must not outnumber its items.
+SYMBOLIC = frozenset({"softmax_fwd", "softmax_bwd"})
+
+
+def symbolic_ok(name: str, tensors: tuple[Tensor, ...]) -> bool:
+    """Whether the call of custom op ``name`` on ``tensors`` traces at a symbolic length: its rows are resident."""
+    t = tensors[0]
+    backward = name == "softmax_bwd"
+    return row_settings(int(t.shape[-1]), 0, backward=backward, op=None if backward else "softmax",
+                        device=t.device).resident
+
 
 @triton.jit
 def _softmax_fwd_kernel(
@@ -151,7 +163,7 @@ def softmax_bwd(dy: Tensor, y: Tensor, dtype: torch.dtype | None = None) -> Tens
 
 
 def _bind_fwd(x: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
-    M, N = x.shape
+    M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic)
     dtype, device, sx = out or x.dtype, x.device, x.stride(0)
     s = row_settings(N, M, op="softmax", device=device)
     if s.resident:
@@ -176,7 +188,7 @@ def _bind_fwd(x: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor
 
 
 def _bind_bwd(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Callable[..., Tensor]:
-    M, N = y.shape
+    M, N = y.shape[0], int(y.shape[1])
     dtype, device, sdy, sy = out or y.dtype, y.device, dy.stride(0), y.stride(0)
     s = row_settings(N, M, backward=True)
     if s.resident:

@@ -568,7 +568,7 @@ def traced(opdef: Any) -> None:
                 chosen = ("", "")  # the body raises the error, with its reason, when it runs
             if not ((chosen[0] == "torch" and op in _SYNCING_TORCH) or (op, chosen[0]) in _OPAQUE_IN_GRAPHS
                     or (chosen[0] != "torch" and (_interpret.interpreting() or (
-                        _symbolic(tensors) and not dispatch.takes_symbolic(op, chosen[0], name))))):
+                        _symbolic(tensors) and not dispatch.takes_symbolic(op, chosen[0], name, tensors))))):
                 try:
                     with mode, _plan.tracing():
                         return body(*args, **kwargs)
