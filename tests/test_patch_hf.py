@@ -760,3 +760,31 @@ def test_hf_falcon_h1_mlp_keeps_its_multipliers(device):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     finally:
         unpatch(mlp)
+
+
+def test_hf_kernelize_runs_qwen2_5_vl_text_model_on_hkernels(device, monkeypatch):
+    """hkernels.hub.kernelize on Qwen2.5-VL's text model (transformers 5: the rotary embedding selects mRoPE's
+    streams, then the marked apply_rotary_pos_emb rotates): its norms and rope on hkernels through kernels'
+    mapping, the MLP by patch; hidden states and every gradient as the unpatched model's."""
+    hub = _hub()
+    from kernels import Mode
+
+    model, ids, positions = _tiny_qwen2_5_vl_text(device)
+    plain = copy.deepcopy(model)
+    up = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    want = plain(input_ids=ids, position_ids=positions).last_hidden_state
+    (want * up).sum().backward()
+    calls = _spy_hub(monkeypatch)
+    done = hub.kernelize(model, Mode.TRAINING)
+    try:
+        assert {("rms_norm", "kernelized"), ("rope", "kernelized"), ("swiglu", "forward")} <= {
+            (r.op, r.kind) for r in done}, sorted({(r.op, r.kind) for r in done})
+        with hkernels.use_backend("triton"):
+            got = model(input_ids=ids, position_ids=positions).last_hidden_state
+            (got * up).sum().backward()
+        assert calls.count("rope") == model.config.num_hidden_layers and "rms_norm" in calls
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        unpatch(model)
