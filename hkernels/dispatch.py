@@ -512,6 +512,8 @@ def takes_symbolic(op: str, backend: str, name: str, tensors: tuple[torch.Tensor
     ``symbolic_ok(name, tensors)`` where it has one): the torch backend always does."""
     if backend == "torch":
         return True
+    if backend not in ("helion", "triton"):
+        return False
     module = registry.load(op, backend)
     if isinstance(module, str) or name not in getattr(module, "SYMBOLIC", ()):
         return False

@@ -543,9 +543,10 @@ def traced(opdef: Any) -> None:
     generates and fuses with its neighbours. The backend is chosen when the graph is traced
     (:func:`hkernels.dispatch.select_compiled`). The op stays opaque (its body called back at run time) under
     ``torch.export``, where a dispatch-time choice cannot be made (no tensors), where the chosen torch backend reads
-    values on the host, for the kernel backends in interpret mode (interpreted kernels cannot be traced) and where
-    a size is symbolic (a launch is recorded with the sizes it was traced at), for the pairs of
-    ``_OPAQUE_IN_GRAPHS``, and where the body fails to trace (one warning per op and reason)."""
+    values on the host, for the kernel backends in interpret mode (interpreted kernels cannot be traced), where a
+    size is symbolic and the chosen backend's launch settings would depend on it (its module does not declare the
+    op ``SYMBOLIC``: see :func:`hkernels.dispatch.takes_symbolic`), for the pairs of ``_OPAQUE_IN_GRAPHS``, and
+    where the body fails to trace (one warning per op and reason)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
@@ -582,8 +583,8 @@ def traced(opdef: Any) -> None:
 
 
 def _symbolic(tensors: tuple[Tensor, ...]) -> bool:
-    """A size or stride is symbolic (``dynamic=True``, ``mark_dynamic``, or a recompile for a new length): the
-    kernels' launches would be recorded with the sizes of the traced call, so the op stays opaque there."""
+    """A size or stride is symbolic (``dynamic=True``, ``mark_dynamic``, or a recompile for a new length): a kernel
+    backend traces the op only where it declares it can at any length."""
     return any(isinstance(v, torch.SymInt) for t in tensors for v in (*t.shape, *t.stride()))
 
 
