@@ -571,19 +571,22 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
 
 @pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only (the trace itself is checked "
                     "on a CPU by test_every_kernel_launch_is_traced_into_the_graph)")
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("dynamic", [None, True, "mark_dynamic"], ids=["automatic", "dynamic", "mark_dynamic"])
 @pytest.mark.parametrize(("op", "backend"), [*SYMBOLIC_TRACED, *((op, "auto") for op, _ in SYMBOLIC_TRACED)],
                          ids=lambda v: str(v))
 def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monkeypatch):
-    """Inside torch.compile (Inductor), one function called at five lengths: at most two graphs, none after the
-    second length, and from the third length on the kernels run from the graph at the new length, with no call
+    """Inside torch.compile (Inductor), one function called at five lengths (automatic dynamic shapes,
+    ``dynamic=True``, or the length's dims marked dynamic): at most two graphs, none after the second length, and
+    from the third length on the kernels run from the graph at the new length, with no call
     back into hkernels' Python (an opaque op would call its body); each length as the eager call gives it."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     fn = getattr(hkernels, op)
-    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter, dynamic=dynamic)
+    marked = dynamic == "mark_dynamic"
+    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter,
+                             dynamic=None if marked else dynamic)
     watching, called = [False], []
     real = hkernels.dispatch.run
 
@@ -598,6 +601,11 @@ def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monke
     with hkernels.use_backend(backend):
         for i, n in enumerate(LENGTHS):
             inputs, kwargs = _lengthed(op, n, g, device)
+            if marked:  # every dim of the length's size (no other size of these inputs equals a length)
+                for x in (*inputs, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))):
+                    for d, size in enumerate(x.shape):
+                        if size == n:
+                            torch._dynamo.maybe_mark_dynamic(x, d)
             leaves = [x for x in inputs if x.requires_grad]
             watching[0] = i >= 2
             out = compiled(*inputs, **kwargs)
