@@ -130,19 +130,26 @@ class LayerNorm(nn.Module):
 
 class SwiGLUMLP(nn.Module):
     """A Llama MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with the gate on :func:`hkernels.swiglu`.
-    Parameters as Hugging Face's LlamaMLP: ``gate_proj``, ``up_proj`` ([I, H]), ``down_proj`` ([H, I])."""
+    Parameters as Hugging Face's LlamaMLP: ``gate_proj``, ``up_proj`` ([I, H]), ``down_proj`` ([H, I]). With
+    Falcon-H1's multipliers: ``down_proj(silu(gate_proj(x) · gate_multiplier) * up_proj(x)) · down_multiplier``
+    (both fused into the gate's kernel where down_proj has no bias)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
         super().__init__()
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        if self.down_proj.bias is None or self.down_multiplier == 1:
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.gate_multiplier,
+                                         self.down_multiplier))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.gate_multiplier)) * self.down_multiplier
 
 
 class GeGLUMLP(SwiGLUMLP):

@@ -368,3 +368,23 @@ def test_patch_weighted_cross_entropy_module(backend, device):
     finally:
         unpatch(net)
     assert type(net[0]) is nn.CrossEntropyLoss
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_mlp_with_multipliers_is_falcon_h1s(bias, device):
+    """hkernels.nn.SwiGLUMLP with Falcon-H1's multipliers computes down_proj(silu(gate · a) · up) · b (with a bias
+    on down_proj too, where b cannot be fused), forward and every gradient, as the same math in PyTorch."""
+    torch.manual_seed(0)
+    mlp = hnn.SwiGLUMLP(16, 24, bias=bias, gate_multiplier=0.7, down_multiplier=1.3).to(device)
+    x = torch.randn(3, 16, device=device, requires_grad=True)
+    with hkernels.use_backend("triton"):
+        got = mlp(x)
+        got.sum().backward()
+    grads = [x.grad, *(p.grad for p in mlp.parameters())]
+    x.grad = None
+    mlp.zero_grad()
+    want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x) * 0.7) * mlp.up_proj(x)) * 1.3
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, [x.grad, *(p.grad for p in mlp.parameters())], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
