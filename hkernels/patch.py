@@ -2,11 +2,12 @@
 puts everything back.
 
 What is replaced (``ops`` picks; default all but attention, ``"all"`` everything):
-- ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face's LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm and
-  Qwen3RMSNorm and every class transformers marks ``use_kernel_forward_from_hub("RMSNorm")`` (its name for this
-  computation), and the norms that scale by 1 + weight in float32 (Gemma's, Gemma 2's, Gemma 3's, Qwen3-Next's:
-  ``offset=1.0``; other look-alikes are left alone) -> :class:`hkernels.nn.RMSNorm` holding the same Parameter
-  objects;
+- ``rms_norm``: ``torch.nn.RMSNorm`` modules, and Hugging Face's RMSNorm of Llama, Mistral, Mixtral, Qwen2,
+  Qwen2-VL, Qwen2.5-VL, Qwen3, Qwen3-MoE, Phi-3, Granite and DeepSeek-V3 (:data:`HF_RMS_NORMS`) and every class
+  transformers marks ``use_kernel_forward_from_hub("RMSNorm")`` (its name for this computation; the mark is there
+  only with the ``kernels`` package installed), and the norms that scale by 1 + weight in float32 (Gemma's, Gemma
+  2's, Gemma 3's, Qwen3-Next's: ``offset=1.0``; other look-alikes are left alone) -> :class:`hkernels.nn.RMSNorm`
+  holding the same Parameter objects;
 - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`hkernels.nn.LayerNorm` (same Parameters);
 - ``swiglu`` / ``geglu``: the forward of Llama-style MLPs (``gate_proj``, ``up_proj``, ``down_proj`` Linears and an
   ``act_fn`` that is SiLU, or GELU with tanh approximation) -> the gate on :func:`hkernels.swiglu` /
@@ -113,8 +114,11 @@ def _name(o: Any) -> str:
 
 # Hugging Face RMSNorm classes known to compute x / rms(x) * weight (normalised in float32, cast, then scaled).
 # By name, not by shape: several look the same and scale by (1 + weight) (Gemma, Qwen3-Next, ...), where a
-# replacement would be silently wrong.
-HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# replacement would be silently wrong. Named even where transformers marks them for its kernel mapping: without the
+# `kernels` package that mark is not set.
+HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm",
+                "Qwen2_5_VLRMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm",
+                "DeepseekV3RMSNorm")
 # ... and those known to compute x / rms(x) · (1 + weight), all in float32, then cast to x's dtype: offset 1.
 HF_OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")
 # Hugging Face modeling modules whose apply_rotary_pos_emb is the full rotate_half rotation (not interleaved, not

@@ -119,45 +119,78 @@ def test_hf_return_dict_false_and_signature_kept(device):
         unpatch(model)
 
 
-def test_hf_norms_that_scale_by_one_plus_weight_get_offset_one(device):
-    """Gemma's, Gemma 2's, Gemma 3's and Qwen3-Next's RMSNorm compute x / rms(x) · (1 + weight) in float32: they
-    become hkernels.nn.RMSNorm with offset 1, sharing the weight, with the same output and gradients (bfloat16 input,
-    a float32 weight near 0 as trained ones are)."""
+# Each Hugging Face RMSNorm class patch knows by name: its modeling module and its offset (1: x̂ · (1 + w)).
+NORMS = {"LlamaRMSNorm": ("llama", 0.0), "MistralRMSNorm": ("mistral", 0.0), "MixtralRMSNorm": ("mixtral", 0.0),
+         "Qwen2RMSNorm": ("qwen2", 0.0), "Qwen2VLRMSNorm": ("qwen2_vl", 0.0),
+         "Qwen2_5_VLRMSNorm": ("qwen2_5_vl", 0.0), "Qwen3RMSNorm": ("qwen3", 0.0),
+         "Qwen3MoeRMSNorm": ("qwen3_moe", 0.0), "Phi3RMSNorm": ("phi3", 0.0), "GraniteRMSNorm": ("granite", 0.0),
+         "DeepseekV3RMSNorm": ("deepseek_v3", 0.0), "GemmaRMSNorm": ("gemma", 1.0),
+         "Gemma2RMSNorm": ("gemma2", 1.0), "Gemma3RMSNorm": ("gemma3", 1.0), "Qwen3NextRMSNorm": ("qwen3_next", 1.0)}
+
+
+def test_hf_norms_known_by_name_are_the_tested_ones():
+    from hkernels.patch import HF_OFFSET_RMS_NORMS, HF_RMS_NORMS
+
+    assert sorted(HF_RMS_NORMS) == sorted(k for k, (_, offset) in NORMS.items() if offset == 0.0)
+    assert sorted(HF_OFFSET_RMS_NORMS) == sorted(k for k, (_, offset) in NORMS.items() if offset == 1.0)
+
+
+def _named_norms_match(offset: float, weight_dtype: torch.dtype, device: torch.device, monkeypatch) -> None:
+    """Each RMSNorm class of NORMS with this offset (absent from this transformers: skipped) becomes
+    hkernels.nn.RMSNorm with ``offset``, sharing the weight, with the same output and gradients (bfloat16 input, a
+    weight of ``weight_dtype`` near what trained ones are) — recognised by name even without the mark transformers'
+    kernel mapping sets, which is missing where the `kernels` package is not installed."""
     found = []
-    for mod_name, cls_name in (("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm"),
-                               ("qwen3_next", "Qwen3NextRMSNorm")):
+    for cls_name, (model, its_offset) in NORMS.items():
+        if its_offset != offset:
+            continue
         try:
-            mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+            mod = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
         except ImportError:
             continue
         cls = getattr(mod, cls_name, None)
         if cls is not None:
-            found.append(cls(48, eps=1e-6).to(device))
+            monkeypatch.delattr(cls, "kernel_layer_name", raising=False)
+            found.append(cls(48, eps=1e-6).to(device=device, dtype=weight_dtype))
     if not found:
         pytest.skip("none of these classes in this transformers")
     g = torch.Generator().manual_seed(2)
     for m in found:
         with torch.no_grad():
-            m.weight.copy_(torch.randn(48, generator=g) * 0.1)
+            m.weight.copy_(torch.randn(48, generator=g) * 0.1 + (1.0 - offset))
     plain = copy.deepcopy(torch.nn.Sequential(*found))
     net = torch.nn.Sequential(*found)
     done = hkernels.patch(net, ops="rms_norm")
     assert len(done) == len(found)
-    assert all(isinstance(m, hnn.RMSNorm) and m.offset == 1.0 for m in net)
+    assert all(isinstance(m, hnn.RMSNorm) and m.offset == offset for m in net)
     assert all(a.weight is b.weight for a, b in zip(net, found, strict=True))
     x = (torch.randn(3, 5, 48, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with hkernels.use_backend("triton"):
-        y = net(x1)
-    want = plain(x2)
-    assert y.dtype == want.dtype == torch.bfloat16
-    torch.testing.assert_close(y, want, rtol=1.6e-2, atol=1e-2)
-    up = torch.randn(y.shape, generator=g).to(device=device, dtype=y.dtype)
-    got = torch.autograd.grad(y, [x1, *(m.weight for m in net)], up)
-    ref = torch.autograd.grad(want, [x2, *(m.weight for m in plain)], up)
-    for a, b in zip(got, ref, strict=True):
-        assert a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, b.abs().max().item()))
+    up = torch.randn(x.shape, generator=g).to(device=device, dtype=torch.bfloat16)
+    for ours, theirs in zip(net, plain, strict=True):  # one by one: a chain would compound bfloat16 roundings
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with hkernels.use_backend("triton"):
+            y = ours(x1)
+        want = theirs(x2)
+        assert y.dtype == want.dtype == torch.bfloat16, type(theirs).__name__
+        torch.testing.assert_close(y, want, rtol=1.6e-2, atol=1e-2)
+        got = torch.autograd.grad(y, [x1, ours.weight], up)
+        ref = torch.autograd.grad(want, [x2, theirs.weight], up)
+        for a, b in zip(got, ref, strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, b.abs().max().item()))
+
+
+def test_hf_named_norms_are_replaced_without_the_kernels_package(device, monkeypatch):
+    """Every RMSNorm class patch names as Llama's computation (Mixtral's, Qwen2-VL's, Qwen3-MoE's, ...) is replaced
+    with offset 0 and computes the same, also where transformers' kernel mark is absent (a bfloat16 model: these
+    classes return the weight's dtype where it differs from x's, which hkernels.nn.RMSNorm does not)."""
+    _named_norms_match(0.0, torch.bfloat16, device, monkeypatch)
+
+
+def test_hf_norms_that_scale_by_one_plus_weight_get_offset_one(device, monkeypatch):
+    """Gemma's, Gemma 2's, Gemma 3's and Qwen3-Next's RMSNorm compute x / rms(x) · (1 + weight) in float32: they
+    become hkernels.nn.RMSNorm with offset 1."""
+    _named_norms_match(1.0, torch.float32, device, monkeypatch)
 
 
 def test_hf_look_alike_norms_of_other_forms_are_left_alone(device):
