@@ -185,6 +185,12 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
 
     if name == "eager":
         yield wrap(model)
+    elif name == "hkernels+compile":  # (before the hkernels-<backend> names, which it also starts with)
+        hkernels.patch(model, ops=patch_ops)
+        try:
+            yield torch.compile(wrap(model), mode=compile_mode)
+        finally:
+            hkernels.unpatch(model)
     elif name.startswith("hkernels"):
         backend = name.partition("-")[2] or "auto"
         hkernels.patch(model, ops=patch_ops)
@@ -195,12 +201,6 @@ def _variant(name: str, model: nn.Module, wrap: Callable[[nn.Module], nn.Module]
             hkernels.unpatch(model)
     elif name == "torch_compile":
         yield torch.compile(wrap(model), mode=compile_mode)
-    elif name == "hkernels+compile":
-        hkernels.patch(model, ops=patch_ops)
-        try:
-            yield torch.compile(wrap(model), mode=compile_mode)
-        finally:
-            hkernels.unpatch(model)
     elif name == "liger":
         undo = _liger_patch(model)
         try:

@@ -51,6 +51,24 @@ def test_train_moe_model_patches_its_experts(tmp_path):
     assert data["converge"]["match"] and rc == 0
 
 
+def test_each_variant_trains_what_its_name_says():
+    """The compiled variants yield a compiled module (hkernels+compile also patched), the hkernels ones a patched
+    module that is not compiled, eager the plain model; each is undone afterwards."""
+    import hkernels
+    from bench.model import build
+
+    model = build("tiny", "cpu", torch.float32)
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    for name, want_compiled, want_patched in (("eager", False, False), ("hkernels", False, True),
+                                              ("hkernels-triton", False, True), ("torch_compile", True, False),
+                                              ("hkernels+compile", True, True)):
+        with train._variant(name, model, lambda m: m) as fwd:
+            assert isinstance(fwd, compiled) == want_compiled, name
+            patched = any(isinstance(m, hkernels.nn.RMSNorm) for m in model.modules())
+            assert patched == want_patched, name
+        assert not any(isinstance(m, hkernels.nn.RMSNorm) for m in model.modules()), name
+
+
 def test_curve_comparison_flags_a_drift():
     eager = [5.0 - 0.03 * i for i in range(40)]
     assert train.compare_curves(eager, [x + 0.01 for x in eager])["match"]
