@@ -107,9 +107,19 @@ def _symbolic_fakes(args: tuple[object, ...]) -> tuple[list[object], object, set
 
 def _row_guards(env: object, rows: set[object]) -> list[str]:
     """What tracing decided about the row symbols: a guard on one or a replacement of one (a specialisation), each
-    a recompile when the length changes."""
+    a recompile when the length changes. A size class (the length against a constant: ``s <= 4096``) is one
+    graph per class, not per length, and is not counted."""
     found = [f"{k} = {v}" for k, v in env.replacements.items() if k in rows]
-    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows]
+    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows and not _size_class(g.expr)]
+
+
+def _size_class(expr: object) -> bool:
+    import sympy
+
+    if not isinstance(expr, (sympy.LessThan, sympy.StrictLessThan, sympy.GreaterThan, sympy.StrictGreaterThan)):
+        return False
+    a, b = expr.lhs, expr.rhs
+    return bool((a.is_Symbol and b.is_Integer) or (a.is_Integer and b.is_Symbol))
 
 
 _CHARS = int(os.environ.get("HKERNELS_TRACE_CHARS", "300"))  # of each error reported

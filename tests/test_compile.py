@@ -342,6 +342,36 @@ SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_
                                               "rope", "cross_entropy", "fused_linear_cross_entropy")]
 
 
+@pytest.mark.parametrize(("tokens", "h", "parts"), [(7, 2048, 1), (1024, 2048, 1), (1025, 2048, 4), (4096, 2048, 4),
+                                                 (9000, 2048, 16), (70000, 2048, 16), (3000, 64, 4)])
+def test_linear_loss_chunks_at_a_symbolic_length_follow_its_size_class(tokens, h, parts):
+    """The linear loss's chunk loop at a symbolic T (Llama 3's vocabulary): as many equal parts as a concrete T at
+    the top of T's size class makes, decided by a guard on the class alone (T against a constant), so one graph
+    serves every length of the class; the parts cover T, none empty."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from triton_fallback import _chunked
+
+    env = ShapeEnv()
+    t = env.create_symintnode(env.create_symbol(tokens, ConstantSource("t"), dynamic_dim=DimDynamic.DYNAMIC),
+                              hint=tokens)
+    bounds = _chunked.chunk_bounds(t, h, 128256)
+    assert len(bounds) == parts
+    top = next((c * _chunked.MIN_CHUNK for c in _chunked.TRACED_CLASSES if tokens <= c * _chunked.MIN_CHUNK), None)
+    if top is not None:
+        assert parts == len(_chunked.chunk_bounds(top, h, 128256))
+    hint = [int(v.node.hint) if isinstance(v, torch.SymInt) else v for bound in bounds for v in bound]
+    assert hint[0] == 0 and hint[-1] == tokens and hint == sorted(hint)
+    assert all(hint[i] == hint[i + 1] for i in range(1, len(hint) - 1, 2)), hint  # adjacent parts
+    assert all(hint[i] < hint[i + 1] for i in range(0, len(hint), 2)), hint  # none empty
+    # the guards tracing made: T against a constant (a size class), none pinning T itself
+    for g in env.guards:
+        assert g.expr.is_Relational and not g.expr.is_Equality, g.expr
+        assert all(a.is_Symbol or a.is_Integer for a in g.expr.args), g.expr
+    assert not env.replacements
+
+
 # A fake CUDA tensor cannot be viewed or sliced in a CPU-only build of torch: what the trace check cannot reach.
 _CPU_LIMIT = "PyTorch is not linked with support for cuda devices"
 

@@ -35,23 +35,30 @@ def chunk_rows(t: int, h: int, v: int) -> int:
     return max(1, min(t, per_chunk))
 
 
-# Chunks of a call traced with T symbolic, at most.
+# A call traced with T symbolic takes its chunk count from T's size class: T ≤ MIN_CHUNK times each of these,
+# else the most.
+TRACED_CLASSES = (1, 4, 16)
 MAX_TRACED_CHUNKS = 16
 
 
-def traced_chunks(h: int, v: int) -> int:
-    """How many chunks a call traced with T symbolic (torch.compile after a second length) splits T into: about
-    V/H, which makes each logits chunk the size of hidden as :func:`chunk_rows` aims for, within [1, 16]. A count
-    from the static dims: a loop over ⌈T/C⌉ chunks would specialise the graph to each T."""
-    return max(1, min(MAX_TRACED_CHUNKS, v // max(1, h)))
+def traced_chunks(t: torch.SymInt, h: int, v: int) -> int:
+    """How many equal parts a call traced with T symbolic (torch.compile after a second length) splits T into: as
+    many as :func:`chunk_rows` makes at the top of T's size class (``T <= MIN_CHUNK·c``, c in TRACED_CLASSES: a
+    guard, one graph per class, not per length), at most MAX_TRACED_CHUNKS. A loop over ⌈T/C⌉ chunks would
+    specialise the graph to each T; one count for every T would re-read the weight that many times at every length
+    (16 chunks at 512 tokens: 16 passes over a 128256 × 2048 weight where one does)."""
+    for top in (MIN_CHUNK * c for c in TRACED_CLASSES):
+        if t <= top:
+            return min(MAX_TRACED_CHUNKS, -(-top // chunk_rows(top, h, v)))
+    return MAX_TRACED_CHUNKS
 
 
 def chunk_bounds(t: Any, h: int, v: int, rows: int | None = None) -> list[tuple[Any, Any]]:
     """The [start, end) rows of each chunk: ``rows`` (default :func:`chunk_rows`) at a time for a concrete T; for
     a symbolic T, :func:`traced_chunks` equal parts, whose bounds are expressions of T (no guard on its value
-    beyond parts of 0 or 1 rows, which only a T below twice the count meets)."""
+    beyond its size class and parts of 0 or 1 rows, which only a T below twice the count meets)."""
     if isinstance(t, torch.SymInt):
-        parts = traced_chunks(h, v)
+        parts = traced_chunks(t, h, v)
         return [(i * t // parts, (i + 1) * t // parts) for i in range(parts)]
     rows = rows or chunk_rows(t, h, v)
     return [(start, min(start + rows, t)) for start in range(0, t, rows)]

@@ -9,5 +9,5 @@ from triton_fallback import _chunked, cross_entropy
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(cross_entropy)
 
 # The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py):
-# at a symbolic T the chunk loop takes a fixed number of equal parts (``_chunked.chunk_bounds``).
+# at a symbolic T the chunk loop takes equal parts, as many as T's size class needs (``_chunked.chunk_bounds``).
 SYMBOLIC = frozenset({"fused_linear_cross_entropy_fwd", "fused_linear_cross_entropy_grad", "loss_grad_scale_"})
