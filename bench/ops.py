@@ -97,6 +97,30 @@ def _rope_bytes(mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int:
     return {"fwd": 2 * qk + tables, "bwd": 2 * qk + tables, "fwd_bwd": 4 * qk + 2 * tables}[mode]
 
 
+def _eager_ce_options(logits: Tensor, target: Tensor) -> Tensor:
+    """PyTorch's cross-entropy with the *_softcap_z cases' options: softcap·tanh(z / softcap) on the logits (in
+    float32, as Gemma's head does), then the mean of CE + λ·lse² over the tokens not ignored."""
+    cap, lam = cases.LOSS_OPTIONS["softcap"], cases.LOSS_OPTIONS["lse_square_scale"]
+    z = cap * torch.tanh(logits.float() / cap)
+    valid = target != -100
+    per_token = F.cross_entropy(z, target, reduction="none") + lam * torch.logsumexp(z, -1).square() * valid
+    return per_token.sum() / valid.sum()
+
+
+def _liger_ce_options(linear: bool = False) -> dict[str, Callable[..., object]]:
+    """Liger's losses with the same options (None where Liger is not importable)."""
+    cap, lam = cases.LOSS_OPTIONS["softcap"], cases.LOSS_OPTIONS["lse_square_scale"]
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception:
+        return {}
+    if linear:
+        return {"liger": lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(
+            h, w, t, None, None, -100, lam, 0.0, "mean", cap)[0]}
+    return {"liger": lambda x, t: LigerCrossEntropyFunction.apply(x, t, None, -100, lam, 0.0, "mean", cap)[0]}
+
+
 def _ce_bytes(mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int:
     # forward alone (no gradient wanted): read the logits; with the gradient: read them, write their gradient
     return {"fwd": 1, "bwd": 1, "fwd_bwd": 2}[mode] * m * n * itemsize
@@ -548,6 +572,20 @@ OPS: dict[str, OpBench] = {
         ref=lambda h, w, t: references.fused_linear_cross_entropy(h, w, t),
         dim="hidden", flops_fn=_flce_flops, tokens=(1024, 4096, 8192),
     ),
+    "cross_entropy_softcap_z": _bench(
+        "cross_entropy_softcap_z",
+        eager=lambda x, t: _eager_ce_options(x, t),
+        ref=lambda x, t: references.cross_entropy(x, t, **cases.LOSS_OPTIONS),
+        dim="vocab", bytes_fn=_ce_bytes, tokens=(8192,),
+        peers=_liger_ce_options(),
+    ),
+    "fused_linear_cross_entropy_softcap_z": _bench(
+        "fused_linear_cross_entropy_softcap_z",
+        eager=lambda h, w, t: _eager_ce_options(F.linear(h, w), t),
+        ref=lambda h, w, t: references.fused_linear_cross_entropy(h, w, t, **cases.LOSS_OPTIONS),
+        dim="hidden", flops_fn=_flce_flops, tokens=(8192,),
+        peers=_liger_ce_options(linear=True),
+    ),
     "matmul": _bench(
         "matmul",
         eager=torch.matmul,  # cuBLAS
@@ -648,7 +686,7 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
     if op.name == "block":
         return [(8, 32, 48)] if cpu else [(1024, 2048, 5632)]
     shapes = QUICK_SHAPES[device.type]
-    if op.name in ("rope", "fused_linear_cross_entropy"):
+    if op.name == "rope" or op.name.startswith("fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]
     return [(m, n, 0) for m, n in shapes]
 

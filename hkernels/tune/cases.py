@@ -182,7 +182,11 @@ OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attenti
          "attention_window": "attention", "attention_softcap": "attention", "attention_d64_window": "attention",
          "attention_d64_softcap": "attention", "attention_varlen_mixed": "attention_varlen",
          "attention_d64_varlen": "attention_varlen", "attention_d64_varlen_mixed": "attention_varlen",
-         "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe"}
+         "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe",
+         "cross_entropy_softcap_z": "cross_entropy",
+         "fused_linear_cross_entropy_softcap_z": "fused_linear_cross_entropy"}
+# The loss options of the *_softcap_z cases: Gemma 2's final logit softcap and a z-loss.
+LOSS_OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
 # Variants the dispatcher routes by buckets of their own, "<op>:<name>_fwd" and "<op>:<name>_bwd" (attention's
 # window and cap run other kernels than its plain calls): bench op -> name.
 ROUTE_OF = {name: "attention_masked" for name in ("attention_window", "attention_softcap", "attention_d64_window",
@@ -202,6 +206,11 @@ OPS: dict[str, OpInputs] = {
         OpInputs("cross_entropy", _logits, (0,), lambda x, t: hkernels.cross_entropy(x, t)),
         OpInputs("fused_linear_cross_entropy", _linear_ce, (0, 1),
                  lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t)),
+        # the loss options Gemma 2/3 and z-loss training add (a logit softcap, lse² · λ): the same passes
+        OpInputs("cross_entropy_softcap_z", _logits, (0,),
+                 lambda x, t: hkernels.cross_entropy(x, t, **LOSS_OPTIONS)),
+        OpInputs("fused_linear_cross_entropy_softcap_z", _linear_ce, (0, 1),
+                 lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t, **LOSS_OPTIONS)),
         OpInputs("matmul", _matmul(False), (0, 1), hkernels.matmul),
         # bias + tanh-gelu in the matmul's epilogue
         OpInputs("matmul_gelu", _matmul(True), (0, 1, 2), lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh")),
