@@ -35,6 +35,7 @@ from hkernels.functional.grouped_matmul import grouped_matmul  # noqa: E402
 from hkernels.functional.layer_norm import layer_norm  # noqa: E402
 from hkernels.functional.matmul import matmul  # noqa: E402
 from hkernels.functional.moe import moe  # noqa: E402
+from hkernels.functional.qk_norm_rope import qk_norm_rope  # noqa: E402
 from hkernels.functional.rms_norm import rms_norm  # noqa: E402
 from hkernels.functional.rope import rope  # noqa: E402
 from hkernels.functional.softmax import softmax  # noqa: E402
@@ -67,6 +68,7 @@ __all__ = [
     "nn",
     "ops",
     "patch",
+    "qk_norm_rope",
     "references",
     "rms_norm",
     "rope",

@@ -39,6 +39,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("swiglu", "hkernels.ops.swiglu", "triton_fallback.swiglu", "hkernels.functional.swiglu"),
     Op("geglu", "hkernels.ops.geglu", "triton_fallback.geglu", "hkernels.functional.geglu"),
     Op("rope", "hkernels.ops.rope", "triton_fallback.rope", "hkernels.functional.rope"),
+    Op("qk_norm_rope", "hkernels.ops.qk_norm_rope", "triton_fallback.qk_norm_rope",
+       "hkernels.functional.qk_norm_rope"),
     Op("cross_entropy", "hkernels.ops.cross_entropy", "triton_fallback.cross_entropy",
        "hkernels.functional.cross_entropy"),
     Op("fused_linear_cross_entropy", "hkernels.ops.fused_linear_cross_entropy",

@@ -239,6 +239,21 @@ def _rope_case(name: str, b: int, hq: int, hk: int, s: int, d: int, batch_tables
     return Case("rope", name, make, ("q", "k"), gpu_only=gpu_only)
 
 
+def _qk_case(name: str, b: int, hq: int, hk: int, s: int, d: int, eps: float = 1e-6, **rope: Any) -> Case:
+    """rope's inputs (see _rope_case) and per-head norm weights near 1 (trained ones are), q's rows scaled apart
+    from k's so that each head's norm matters."""
+    base = _rope_case(name, b, hq, hk, s, d, **rope)
+
+    def make(g: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        tensors, kwargs = base.make(g)
+        tensors["k"] = tensors["k"] * 4.0
+        tensors["q_weight"] = _randn(g, d, scale=0.3, shift=1.0)
+        tensors["k_weight"] = _randn(g, d, scale=0.3, shift=1.0)
+        return tensors, {**kwargs, "eps": eps}
+
+    return Case("qk_norm_rope", name, make, ("q", "k", "q_weight", "k_weight"), gpu_only=base.gpu_only)
+
+
 def _targets(g: torch.Generator, t: int, v: int, ignored: float = 0.2, ignore_index: int = -100) -> Tensor:
     target = torch.randint(0, v, (t,), generator=g)
     drop = torch.rand(t, generator=g) < ignored
@@ -332,6 +347,14 @@ CASES_LLM: list[Case] = [
     _rope_case("transposed_packed", 2, 4, 2, 9, 128, transposed=True, positions="packed"),
     _rope_case("llama_8b_packed", 2, 32, 8, 256, 128, transposed=True, gpu_only=True, positions="packed"),
     _rope_case("mrope", 2, 4, 2, 7, 16, mrope=[2, 3, 3]),
+    _qk_case("one_token", 1, 1, 1, 1, 64),
+    _qk_case("gqa_odd_s", 2, 4, 2, 7, 64),
+    _qk_case("d128_transposed", 1, 4, 2, 37, 128, transposed=True),
+    _qk_case("d4_batch_tables", 2, 2, 1, 5, 4, batch_tables=True),
+    _qk_case("d256_eps", 1, 2, 1, 9, 256, eps=1e-2),  # Gemma 3's head dim
+    _qk_case("packed", 2, 4, 2, 11, 64, positions="packed"),
+    _qk_case("qwen3_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
+    _qk_case("qwen3_odd_packed", 1, 16, 8, 1000, 128, transposed=True, gpu_only=True, positions="packed"),
     _rope_case("mrope_batch_tables_transposed", 2, 4, 2, 9, 64, batch_tables=True, transposed=True,
                mrope=[8, 12, 12]),
     _rope_case("qwen2_5_vl_7b_mrope", 1, 28, 4, 512, 128, batch_tables=True, transposed=True, gpu_only=True,

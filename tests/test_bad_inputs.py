@@ -43,6 +43,8 @@ GOOD: dict[str, tuple[Callable[[torch.device], dict[str, Any]], str, str | None]
     "geglu": (lambda d: {"gate": _f(d, 3, 8), "up": _f(d, 3, 8)}, "gate", "up"),
     "rope": (lambda d: {"q": _f(d, 1, 2, 3, 4), "k": _f(d, 1, 1, 3, 4), "cos": _f(d, 3, 4), "sin": _f(d, 3, 4)},
              "q", "k"),
+    "qk_norm_rope": (lambda d: {"q": _f(d, 1, 2, 3, 4), "k": _f(d, 1, 1, 3, 4), "q_weight": _f(d, 4),
+                                "k_weight": _f(d, 4), "cos": _f(d, 3, 4), "sin": _f(d, 3, 4)}, "q", "k"),
     "cross_entropy": (lambda d: {"logits": _f(d, 3, 8), "target": _idx(d, 3, 8)}, "logits", "target"),
     "fused_linear_cross_entropy": (
         lambda d: {"hidden": _f(d, 3, 4), "weight": _f(d, 10, 4), "target": _idx(d, 3, 10)}, "hidden", "weight"),
@@ -76,7 +78,7 @@ def _cells() -> list[Any]:
             out += [pytest.param(op, cell, id=f"{op}-{cell}") for cell in ("shape_mismatch", "device_mix")]
             if op not in ("rms_norm", "layer_norm", "add_rms_norm"):  # norms take parameters of another dtype
                 out.append(pytest.param(op, "dtype_mix", id=f"{op}-dtype_mix"))
-        if op in ("rope", "attention", "attention_varlen", "decode_attention"):
+        if op in ("rope", "qk_norm_rope", "attention", "attention_varlen", "decode_attention"):
             out.append(pytest.param(op, "unsupported_head_dim", id=f"{op}-unsupported_head_dim"))
     return out
 
@@ -114,8 +116,10 @@ def _bad_call(op: str, cell: str, d: torch.device) -> tuple[dict[str, Any], str 
         args[other] = args[other].to(torch.float16) if op != "cross_entropy" else args[other].float()
         return args, None, TypeError, named + rf".*({other}|dtype|class indices)"
     if cell == "unsupported_head_dim":
-        if op == "rope":
-            args = {"q": _f(d, 1, 2, 3, 5), "k": _f(d, 1, 1, 3, 5), "cos": _f(d, 3, 5), "sin": _f(d, 3, 5)}
+        if op in ("rope", "qk_norm_rope"):
+            args.update(q=_f(d, 1, 2, 3, 5), k=_f(d, 1, 1, 3, 5), cos=_f(d, 3, 5), sin=_f(d, 3, 5))
+            if op == "qk_norm_rope":
+                args.update(q_weight=_f(d, 5), k_weight=_f(d, 5))
             return args, None, ValueError, named + r"the head dim D must be even"
         if op == "attention_varlen":
             args.update(q=_f(d, 5, 2, 48), k=_f(d, 5, 1, 48), v=_f(d, 5, 1, 48))

@@ -85,6 +85,8 @@ def _llm_inputs(op: str, device: torch.device) -> tuple[list[torch.Tensor], list
         "swiglu": [t(2, 5, 48), t(2, 5, 48)],
         "geglu": [t(2, 5, 48), t(2, 5, 48)],
         "rope": [t(1, 4, 5, 16), t(1, 2, 5, 16), torch.cos(t(5, 16, grad=False)), torch.sin(t(5, 16, grad=False))],
+        "qk_norm_rope": [t(1, 4, 5, 16), t(1, 2, 5, 16), t(16, scale=0.5), t(16, scale=0.5),
+                         torch.cos(t(5, 16, grad=False)), torch.sin(t(5, 16, grad=False))],
         "add_rms_norm": [t(3, 48), t(3, 48), t(48, scale=0.5)],
         "cross_entropy": [t(6, 40), target],
         "fused_linear_cross_entropy": [t(6, 16), t(40, 16, scale=0.25), target],
@@ -119,8 +121,8 @@ def _graphs(counter: Any) -> int:
     return sum(any(n.op == "call_function" for n in gm.graph.nodes) for gm in counter.graphs)
 
 
-LLM_OPS = ["swiglu", "geglu", "rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy", "matmul",
-           "attention", "attention_varlen", "grouped_matmul", "moe"]
+LLM_OPS = ["swiglu", "geglu", "rope", "qk_norm_rope", "add_rms_norm", "cross_entropy", "fused_linear_cross_entropy",
+           "matmul", "attention", "attention_varlen", "grouped_matmul", "moe"]
 LLM_KWARGS = {"matmul": {"activation": "gelu_tanh"}, "attention": {"causal": True},
               "attention_varlen": {"causal": True, "window": (3, None), "softcap": 5.0}}
 
@@ -182,6 +184,8 @@ def test_llm_custom_op_registration(op, fused, device):
         "swiglu": lambda a: (ops.swiglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), 1.0, 1.0, "")),
         "geglu": lambda a: (ops.geglu_fwd.default, (a[0].reshape(-1, 48), a[1].reshape(-1, 48), "none", "")),
         "rope": lambda a: (ops.rope_fwd.default, (a[0], a[1], a[2][None], a[3][None], "")),
+        "qk_norm_rope": lambda a: (ops.qk_norm_rope_fwd.default, (a[0], a[1], a[2], a[3], a[4][None], a[5][None],
+                                                                  1e-6, "")),
         "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, "")),
         "cross_entropy": lambda a: (ops.cross_entropy_fwd.default,
                                     (a[0], a[1], -100, 0.1, "mean", fused, False, 3.0, 1e-2, True, True,
@@ -339,7 +343,8 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
 SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
-                                              "rope", "cross_entropy", "fused_linear_cross_entropy")]
+                                              "rope", "qk_norm_rope", "cross_entropy",
+                                              "fused_linear_cross_entropy")]
 
 
 @pytest.mark.parametrize(("tokens", "h", "parts"), [(7, 2048, 1), (1024, 2048, 1), (1025, 2048, 4), (4096, 2048, 4),
@@ -405,7 +410,8 @@ def test_every_kernel_launch_is_traced_into_the_graph():
     # at a symbolic length (a graph whose length varies): traced with no guard on the row count where declared
     for op, backend in SYMBOLIC_TRACED:
         assert any(k.startswith(f"{op} ") and k.endswith(f" {backend} symbolic") for k in ok), (op, backend)
-    for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope"):  # (a CPU reaches)
+    for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
+               "qk_norm_rope"):  # (a CPU reaches)
         for fn in ("fwd", "bwd"):
             assert f"{op} {op}_{fn}.default triton symbolic" in ok, (op, fn)
 
@@ -547,6 +553,8 @@ def _lengthed(op: str, n: int, g: torch.Generator, device: torch.device) -> tupl
         "geglu": lambda: [t(n, 48), t(n, 48)],
         "rope": lambda: [t(1, 4, n, 16), t(1, 2, n, 16), torch.cos(t(n, 16, grad=False)),
                          torch.sin(t(n, 16, grad=False))],
+        "qk_norm_rope": lambda: [t(1, 4, n, 16), t(1, 2, n, 16), t(16, scale=0.5), t(16, scale=0.5),
+                                 torch.cos(t(n, 16, grad=False)), torch.sin(t(n, 16, grad=False))],
         "cross_entropy": lambda: [t(n, 40), torch.randint(0, 40, (n,), generator=g).to(device)],
         "fused_linear_cross_entropy": lambda: [t(n, 16), t(40, 16, scale=0.25),
                                                torch.randint(0, 40, (n,), generator=g).to(device)],

@@ -38,7 +38,7 @@ def test_ops_lists_every_op():
     assert hkernels.ops() == [
         "add_rms_norm", "attention", "attention_varlen", "cross_entropy", "decode_attention",
         "fused_linear_cross_entropy", "geglu",
-        "grouped_matmul", "layer_norm", "matmul", "moe", "rms_norm", "rope", "softmax", "swiglu",
+        "grouped_matmul", "layer_norm", "matmul", "moe", "qk_norm_rope", "rms_norm", "rope", "softmax", "swiglu",
     ]
 
 

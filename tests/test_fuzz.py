@@ -160,6 +160,19 @@ def _rope(d: Draw) -> Made:
     return tensors, {}, ("q", "k"), None
 
 
+def _qk_norm_rope(d: Draw) -> Made:
+    b, hk, group = d.pick([1, 2], "batch"), d.pick([1, 2], "kv heads"), d.pick([1, 2, 3], "group")
+    s, dim = d.pick([0, 1, 2, 5, 17, 64], "seq"), max(4, d.pick([4, 8, 64, 128], "head dim"))  # (D >= 4)
+    if d.pick([True, False], "bshd"):  # a view of a [B, S, H, D] projection, normalised per head
+        q = d.main(b, s, hk * group, dim).transpose(1, 2)
+    else:
+        q = d.main(b, hk * group, s, dim)
+    angles = d.randn(s, dim, scale=3.0)
+    tensors = {"q": q, "k": d.randn(b, hk, s, dim, scale=3.0), "q_weight": d.randn(dim, scale=0.3, shift=1.0),
+               "k_weight": d.randn(dim, scale=0.3, shift=1.0), "cos": torch.cos(angles), "sin": torch.sin(angles)}
+    return tensors, {"eps": d.pick([1e-6, 1e-2], "eps")}, ("q", "k", "q_weight", "k_weight"), None
+
+
 def _cross_entropy(d: Draw) -> Made:
     t, v = d.rows_cols()
     kwargs = {"reduction": d.pick(["mean", "sum", "none"], "reduction"),
@@ -275,6 +288,7 @@ MAKERS: dict[str, Callable[[Draw], Made]] = {
     "swiglu": _gated("swiglu"),
     "geglu": _gated("geglu"),
     "rope": _rope,
+    "qk_norm_rope": _qk_norm_rope,
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "matmul": _matmul,

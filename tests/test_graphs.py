@@ -34,6 +34,9 @@ MAKERS: dict[str, tuple[Callable[[torch.Generator], tuple[list[Tensor], list[Ten
     "geglu": (lambda g: ([_t(g, 37, 1024), _t(g, 37, 1024)], []), hkernels.geglu),
     "rope": (lambda g: ([_t(g, 2, 8, 33, 64), _t(g, 2, 2, 33, 64)], [torch.cos(_t(g, 33, 64)),
                                                                       torch.sin(_t(g, 33, 64))]), hkernels.rope),
+    "qk_norm_rope": (lambda g: ([_t(g, 2, 8, 33, 128), _t(g, 2, 2, 33, 128), _t(g, 128, scale=0.3) + 1,
+                                 _t(g, 128, scale=0.3) + 1], [torch.cos(_t(g, 33, 128)), torch.sin(_t(g, 33, 128))]),
+                     hkernels.qk_norm_rope),
     "cross_entropy": (lambda g: ([_t(g, 37, 1000, scale=2.0)], [torch.randint(0, 1000, (37,), generator=g)]),
                       hkernels.cross_entropy),
     "fused_linear_cross_entropy": (

@@ -99,62 +99,76 @@ def _streams(section: tuple[int, ...], device: torch.device) -> Tensor:
 _INT = (torch.int32, torch.int64)
 
 
-def _check_qk(q: Any, k: Any) -> tuple[int, int, int]:
-    """Checks q and k; returns (B, S, D)."""
+def _check_qk(q: Any, k: Any, op: str = OP) -> tuple[int, int, int]:
+    """Checks q and k; returns (B, S, D). ``op``: the op named in errors (qk_norm_rope shares these checks)."""
     for name, t in (("q", q), ("k", k)):
-        check_tensor(OP, name, t, (4,))
-    check_same(OP, ("q", "k"), q, k, shape=False)
+        check_tensor(op, name, t, (4,))
+    check_same(op, ("q", "k"), q, k, shape=False)
     B, _, S, D = q.shape
     if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        raise ValueError(f"hkernels.rope: q [B, Hq, S, D] = {list(q.shape)} and k [B, Hk, S, D] = {list(k.shape)} "
+        raise ValueError(f"hkernels.{op}: q [B, Hq, S, D] = {list(q.shape)} and k [B, Hk, S, D] = {list(k.shape)} "
                          "must agree on B, S and D")
     if D % 2:
-        raise ValueError(f"hkernels.rope: the head dim D must be even (rotate_half splits it), got {D}")
+        raise ValueError(f"hkernels.{op}: the head dim D must be even (rotate_half splits it), got {D}")
     return B, S, D
 
 
-def _check_device(name: str, t: Tensor, q: Tensor) -> None:
+def _check_device(name: str, t: Tensor, q: Tensor, op: str = OP) -> None:
     if t.device != q.device:
-        raise ValueError(f"hkernels.rope: {name} is on {t.device} but q is on {q.device}")
+        raise ValueError(f"hkernels.{op}: {name} is on {t.device} but q is on {q.device}")
 
 
-def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
-    B, S, D = _check_qk(q, k)
+def check_tables(q: Any, k: Any, cos: Any, sin: Any, op: str = OP) -> None:
+    """q, k and tables [S, D] or [B, S, D] for them (rope's calls without position_ids)."""
+    B, S, D = _check_qk(q, k, op)
     for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(OP, name, t, (2, 3))
+        check_tensor(op, name, t, (2, 3))
         if t.shape[-2:] != (S, D) or (t.dim() == 3 and t.shape[0] not in (1, B)):
-            raise ValueError(f"hkernels.rope: {name} must be [S, D] = [{S}, {D}] or [B, S, D] = [{B}, {S}, {D}], "
+            raise ValueError(f"hkernels.{op}: {name} must be [S, D] = [{S}, {D}] or [B, S, D] = [{B}, {S}, {D}], "
                              f"got {list(t.shape)}")
-        _check_device(name, t, q)
+        _check_device(name, t, q, op)
     if _table(cos).shape != _table(sin).shape:
-        raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
+        raise ValueError(f"hkernels.{op}: cos and sin must have the same shape, got {list(cos.shape)} and "
                          f"{list(sin.shape)}")
 
 
-def _check_at(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any) -> None:
-    B, S, D = _check_qk(q, k)
+def check_positions(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any, op: str = OP) -> None:
+    """q, k, tables [P, D] and position_ids into them (rope's calls with position_ids)."""
+    B, S, D = _check_qk(q, k, op)
     for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(OP, name, t)
+        check_tensor(op, name, t)
         if t.dim() != 2 or t.shape[1] != D:
-            raise ValueError(f"hkernels.rope: with position_ids, {name} must be a table [P, D] with D = {D} (a row "
+            raise ValueError(f"hkernels.{op}: with position_ids, {name} must be a table [P, D] with D = {D} (a row "
                              f"per position), got {list(t.shape)}")
-        _check_device(name, t, q)
+        _check_device(name, t, q, op)
     if cos.shape != sin.shape:
-        raise ValueError(f"hkernels.rope: cos and sin must have the same shape, got {list(cos.shape)} and "
+        raise ValueError(f"hkernels.{op}: cos and sin must have the same shape, got {list(cos.shape)} and "
                          f"{list(sin.shape)}")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in _INT:
         got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
-        raise TypeError(f"hkernels.rope: position_ids must be an int32 or int64 tensor, got {got}")
+        raise TypeError(f"hkernels.{op}: position_ids must be an int32 or int64 tensor, got {got}")
     if position_ids.shape not in ((S,), (1, S), (B, S)):
-        raise ValueError(f"hkernels.rope: position_ids must be [S] = [{S}] or [B, S] = [{B}, {S}] (or [1, S]) to "
+        raise ValueError(f"hkernels.{op}: position_ids must be [S] = [{S}] or [B, S] = [{B}, {S}] (or [1, S]) to "
                          f"match q {list(q.shape)}, got {list(position_ids.shape)}")
-    _check_device("position_ids", position_ids, q)
+    _check_device("position_ids", position_ids, q, op)
     if cos.shape[0] == 0 and position_ids.numel():
-        raise ValueError("hkernels.rope: cos and sin have no rows (P = 0) for position_ids to select")
+        raise ValueError(f"hkernels.{op}: cos and sin have no rows (P = 0) for position_ids to select")
+
+
+def check_position_values(cos: Tensor, position_ids: Tensor, op: str = OP) -> None:
+    check_range(op, "position_ids", position_ids, 0, cos.shape[0], why=f" (the tables have P = {cos.shape[0]} rows)")
+
+
+def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
+    check_tables(q, k, cos, sin)
+
+
+def _check_at(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any) -> None:
+    check_positions(q, k, cos, sin, position_ids)
 
 
 def _values_at(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor) -> None:
-    check_range(OP, "position_ids", position_ids, 0, cos.shape[0], why=f" (the tables have P = {cos.shape[0]} rows)")
+    check_position_values(cos, position_ids)
 
 
 def _table(t: Tensor) -> Tensor:

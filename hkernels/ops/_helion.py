@@ -143,10 +143,13 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
 COMPILING = threading.RLock()
 
 
-def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
-    """``kernel`` compiled for ``args`` with its shipped config: Helion's generated host function."""
+def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
+             block_sizes: tuple[int, ...] | None = None) -> Any:
+    """``kernel`` compiled for ``args`` with its shipped config (its ``block_sizes`` replaced where given: a shape
+    the shipped blocks do not suit): Helion's generated host function."""
     # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
-    key: tuple[Any, ...] | None = (kernel, n, _plan.TRACING > 0, _aliases(args), *[_arg_key(a) for a in args])
+    key: tuple[Any, ...] | None = (kernel, n, block_sizes, _plan.TRACING > 0, _aliases(args),
+                                   *[_arg_key(a) for a in args])
     try:
         fn = _compiled.get(key)
     except TypeError:  # an unhashable argument: no fast path for this call
@@ -154,6 +157,8 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
     if fn is None:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         config = config_for(kernel.name, n, device, dtype)
+        if block_sizes is not None:
+            config = helion.Config(**{**config.config, "block_sizes": list(block_sizes)})
         if _plan.TRACING:
             config = _by_pointer(config)
         # Bound on detached views: Helion traces sizes back to a source, and a leaf's ``.grad`` of the same shape can
@@ -227,13 +232,14 @@ def _stand_in(a: Any) -> Any:
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
 
 
-def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> tuple[Any, Any]:
+def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
+         block_sizes: tuple[int, ...] | None = None) -> tuple[Any, Any]:
     """``kernel`` for arguments of this signature (a plan's binding): (Helion's generated host function, a launcher
     for it that goes straight to each compiled Triton kernel after its first launch); call ``fn(*args,
     _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time."""
     if _recording is not None:
         _recording.append((kernel, args, n))
-    return compiled(kernel, args, n, device), bound_launcher()
+    return compiled(kernel, args, n, device, block_sizes), bound_launcher()
 
 
 def like(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
