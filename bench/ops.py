@@ -141,6 +141,19 @@ def _eager_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
     return q * c + rot(q) * s, k * c + rot(k) * s
 
 
+def _eager_qk_norm_rope(q: Tensor, k: Tensor, qw: Tensor, kw: Tensor, cos: Tensor, sin: Tensor
+                        ) -> tuple[Tensor, Tensor]:
+    """Qwen3's attention: each head's row normalised (F.rms_norm over D), then rotated."""
+    d = q.shape[-1]
+    return _eager_rope(F.rms_norm(q, (d,), qw, 1e-6), F.rms_norm(k, (d,), kw, 1e-6), cos, sin)
+
+
+def _unfused_qk_norm_rope(q: Tensor, k: Tensor, qw: Tensor, kw: Tensor, cos: Tensor, sin: Tensor
+                          ) -> tuple[Tensor, Tensor]:
+    """The hkernels calls qk_norm_rope replaces: rms_norm of q and of k, then rope."""
+    return hkernels.rope(hkernels.rms_norm(q, qw, 1e-6), hkernels.rms_norm(k, kw, 1e-6), cos, sin)
+
+
 def _eager_add_norm(x: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     s = x + r
     return F.rms_norm(s, (s.shape[-1],), w, 1e-6), s
@@ -559,6 +572,12 @@ OPS: dict[str, OpBench] = {
         ref=references.rope,
         dim="hidden", bytes_fn=_rope_bytes,
     ),
+    "qk_norm_rope": _bench(
+        "qk_norm_rope",
+        eager=_eager_qk_norm_rope,
+        ref=lambda q, k, qw, kw, c, s: references.qk_norm_rope(q, k, qw, kw, c, s, 1e-6),
+        dim="hidden", bytes_fn=_rope_bytes, peers={"unfused": _unfused_qk_norm_rope},
+    ),
     "cross_entropy": _bench(
         "cross_entropy",
         eager=lambda x, t: F.cross_entropy(x, t),
@@ -686,7 +705,7 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
     if op.name == "block":
         return [(8, 32, 48)] if cpu else [(1024, 2048, 5632)]
     shapes = QUICK_SHAPES[device.type]
-    if op.name == "rope" or op.name.startswith("fused_linear_cross_entropy"):
+    if op.name in ("rope", "qk_norm_rope") or op.name.startswith("fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]
     return [(m, n, 0) for m, n in shapes]
 

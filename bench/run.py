@@ -38,12 +38,13 @@ import torch
 from bench import cli
 
 BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
-            "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
+            "sdpa_cudnn", "flex", "grouped_mm", "dense_mm", "unfused")
 DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
-                    "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
+                    "sdpa_cudnn", "flex", "grouped_mm", "dense_mm", "unfused")
 # other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; flex_attention compiled;
-# torch._grouped_mm and one dense matmul of the same flops (grouped_matmul)
-PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "flex", "grouped_mm", "dense_mm")
+# torch._grouped_mm and one dense matmul of the same flops (grouped_matmul); hkernels' own ops unfused (the calls a
+# fused op replaces: qk_norm_rope's rms_norm then rope)
+PEERS = ("liger", "sdpa_flash", "sdpa_cudnn", "flex", "grouped_mm", "dense_mm", "unfused")
 OURS = ("helion", "triton", "auto", "auto_compile")
 
 

@@ -68,6 +68,14 @@ def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: t
     return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
 
 
+def _qk_norm_rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator
+                  ) -> list[Tensor]:
+    # rope's inputs and the two per-head norm weights (near 1, as trained ones are)
+    q, kk, cos, sin = _rope(m, n, k, dtype, device, g)
+    weights = [(1.0 + 0.1 * torch.randn((HEAD_DIM,), generator=g, device=device)).to(dtype) for _ in range(2)]
+    return [q, kk, *weights, cos, sin]
+
+
 def _targets(m: int, v: int, device: torch.device, g: torch.Generator) -> Tensor:
     target = torch.randint(0, v, (m,), generator=g, device=device)
     return torch.where(torch.rand(m, generator=g, device=device) < 0.1, -100, target)  # some padding
@@ -203,6 +211,7 @@ OPS: dict[str, OpInputs] = {
         OpInputs("swiglu", _gated, (0, 1), hkernels.swiglu),
         OpInputs("geglu", _gated, (0, 1), lambda g, u: hkernels.geglu(g, u, "tanh")),
         OpInputs("rope", _rope, (0, 1), hkernels.rope),
+        OpInputs("qk_norm_rope", _qk_norm_rope, (0, 1, 2, 3), hkernels.qk_norm_rope),
         OpInputs("cross_entropy", _logits, (0,), lambda x, t: hkernels.cross_entropy(x, t)),
         OpInputs("fused_linear_cross_entropy", _linear_ce, (0, 1),
                  lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t)),
