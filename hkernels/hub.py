@@ -180,6 +180,10 @@ def kernelize(model: nn.Module, mode: Any = None, *, device: str | torch.device 
         model.__dict__.setdefault(_patch._RECORD, []).extend(tally.done)
         if tally.ours.get("rope") or any(r.op == "rope" for r in tally.done):
             tally.passes.discard("rope")  # the attention modules' own copies run hkernels: the module's function stays
+        if any(r.op in ("rms_norm", "rope") for r in tally.done) or tally.ours.get("rms_norm") or tally.ours.get(
+                "rope"):
+            # the attention modules' q_norm, k_norm and rope run hkernels through the hooks: their forward stays
+            tally.passes.discard("qk_norm_rope")
     _patch.run(model, tally, "hkernels.hub.kernelize")
     _patch.verdict(model, tally, named, strict, "hkernels.hub.kernelize")
     return tally.done

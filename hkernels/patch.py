@@ -19,6 +19,9 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
   or a function marked ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`; and
   Qwen2-VL's and Qwen2.5-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x's mRoPE) -> :func:`hkernels.rope`
   with ``mrope_section``;
+- ``qk_norm_rope``: the forward of Qwen3's and Qwen3-MoE's attention (:data:`HF_QK_NORM_ATTENTIONS`): its per-head
+  ``q_norm`` / ``k_norm`` and the rope after them run as one :func:`hkernels.qk_norm_rope` (the cache update, the
+  attention function and ``o_proj`` as transformers runs them);
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules (class weights included) -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
@@ -56,6 +59,7 @@ nothing; ``strict=False`` makes that a warning. :func:`hkernels.hub.kernelize` s
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -72,13 +76,14 @@ from hkernels.functional import attention_varlen as _attention_varlen
 from hkernels.functional import fused_linear_cross_entropy as _linear_loss
 from hkernels.functional import geglu as _geglu
 from hkernels.functional import moe as _moe
+from hkernels.functional import qk_norm_rope as _qk_norm_rope
 from hkernels.functional import rope as _rope
 from hkernels.functional import swiglu as _swiglu
 
 Tensor = torch.Tensor
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "moe",
-       "attention")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "qk_norm_rope", "cross_entropy",
+       "fused_linear_cross_entropy", "moe", "attention")
 # What ops=None patches: attention is opt-in (ops=[..., "attention"]): its effect on whole models is unmeasured.
 DEFAULT_OPS = tuple(o for o in OPS if o != "attention")
 _RECORD = "_hkernels_patches"
@@ -216,6 +221,82 @@ def _swiglu_multiplied_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 def _geglu_forward(self: nn.Module, x: Tensor) -> Tensor:
     return self.down_proj(_geglu.geglu(self.gate_proj(x), self.up_proj(x), "tanh"))
+
+
+# Hugging Face attention classes whose forward is q_norm and k_norm on each head, then apply_rotary_pos_emb
+# (Qwen3's): their forward runs the two as one hkernels.qk_norm_rope.
+HF_QK_NORM_ATTENTIONS = ("Qwen3Attention", "Qwen3MoeAttention")
+_CACHES = ("cache", "past_key_values", "past_key_value")
+
+
+def _head_norm(m: nn.Module) -> tuple[float | None, float] | None:
+    """(eps, offset) of a per-head norm qk_norm_rope can take (a known Hugging Face RMSNorm, or hkernels' over one
+    dim with a weight), else None. eps None: the input dtype's machine epsilon (hkernels.nn.RMSNorm's default)."""
+    if isinstance(m, hnn.RMSNorm):
+        if len(m.normalized_shape) != 1 or m.weight is None:
+            return None
+        return m.eps, m.offset
+    known = _hf_rms_norm(m)
+    return None if known is None else (known[0], known[1])
+
+
+def _qk_norm_attention(m: nn.Module) -> bool:
+    if type(m).__name__ not in HF_QK_NORM_ATTENTIONS or not type(m).__module__.startswith("transformers."):
+        return False
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False
+    norms = [getattr(m, n, None) for n in ("q_norm", "k_norm")]
+    return all(isinstance(n, nn.Module) and _head_norm(n) is not None for n in norms)
+
+
+@functools.cache
+def _consumed(cls: type) -> tuple[str, ...]:
+    """The parameters ``cls.forward`` takes past attention_mask (a cache, cache_position): not for the attention
+    function."""
+    params = inspect.signature(cls.forward).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))[4:]
+
+
+def _qk_norm_rope_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: Any = None,
+                                    attention_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Qwen3's attention forward with its per-head norms and rope as one :func:`hkernels.qk_norm_rope`; the rest
+    (projections, the cache update, the attention function the config selects, o_proj) as transformers runs it:
+    transformers 5's ``cache.update(k, v, layer, kwargs=...)`` or 4's ``past_key_values.update(k, v, layer,
+    {sin, cos, cache_position})``. Where its forward takes anything else, or its norms have two epsilons, its own
+    forward runs."""
+    names = _consumed(type(self))
+    given = {**dict(zip(names, args, strict=False)), **{k: v for k, v in kwargs.items() if k in names or k in _CACHES}}
+    q_norm, k_norm = _head_norm(self.q_norm), _head_norm(self.k_norm)
+    if (position_embeddings is None or q_norm is None or k_norm is None or q_norm[0] != k_norm[0]
+            or not set(names) <= {"cache", "past_key_values", "cache_position"}
+            or any(v is not None for k, v in given.items() if k not in names)):  # (a deprecated name: its own)
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in given}
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    eps = q_norm[0] if q_norm[0] is not None else torch.finfo(q.dtype).eps
+    qw, kw = (n.weight if off == 0.0 else n.weight.float() + off
+              for n, off in ((self.q_norm, q_norm[1]), (self.k_norm, k_norm[1])))
+    q, k = _qk_norm_rope.qk_norm_rope(q, k, qw, kw, cos, sin, eps)
+    if given.get("cache") is not None:
+        k, v = given["cache"].update(k, v, self.layer_idx, kwargs=rest)
+    elif given.get("past_key_values") is not None:
+        k, v = given["past_key_values"].update(k, v, self.layer_idx, {
+            "sin": sin, "cos": cos, "cache_position": given.get("cache_position")})
+    module = sys.modules[type(self).__module__]
+    functions, eager = module.ALL_ATTENTION_FUNCTIONS, module.eager_attention_forward
+    implementation = self.config._attn_implementation
+    get = getattr(functions, "get_interface", None)
+    attention = get(implementation, eager) if get is not None else (
+        eager if implementation == "eager" else functions[implementation])
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                             self.attention_dropout, scaling=self.scaling,
+                             sliding_window=getattr(self, "sliding_window", None), **rest)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Any = None,
@@ -644,6 +725,7 @@ _LOOKS_FOR = {
     "swiglu": "no MLP with gate_proj, up_proj and down_proj Linears and a SiLU act_fn",
     "geglu": "no MLP with gate_proj, up_proj and down_proj Linears and a tanh-approximated GELU act_fn",
     "rope": "no module of the model's classes defines apply_rotary_pos_emb",
+    "qk_norm_rope": f"no attention module with q_norm and k_norm hkernels knows ({', '.join(HF_QK_NORM_ATTENTIONS)})",
     "cross_entropy": "no torch.nn.CrossEntropyLoss module",
     "fused_linear_cross_entropy": "no causal LM with an lm_head Linear that hkernels knows "
                                   f"({', '.join(HF_CAUSAL_LMS)}, or a module with hkernels_loss_inputs)",
@@ -779,6 +861,14 @@ def _patch_forwards(model: nn.Module, tally: _Tally) -> None:
                 tally.ours[gate] += 1
             else:
                 tally.note(gate, f"{path or '<model>'} has its forward replaced on the instance")
+        if "qk_norm_rope" in wanted and _qk_norm_attention(m):
+            if own is None:
+                m.forward = _bind(m, _qk_norm_rope_attention_forward)
+                tally.add(Replacement(path or "<model>", "qk_norm_rope", "forward", type(m).forward, m.forward))
+            elif getattr(own, "__qualname__", None) == _qk_norm_rope_attention_forward.__qualname__:
+                tally.ours["qk_norm_rope"] += 1
+            else:
+                tally.note("qk_norm_rope", f"{path or '<model>'} has its forward replaced on the instance")
         if "fused_linear_cross_entropy" in wanted:
             if getattr(own, "__qualname__", None) in (_causal_lm_forward.__qualname__,
                                                       _hf_causal_lm_forward.__qualname__):

@@ -70,8 +70,8 @@ def test_a_plain_call_imports_no_compiler_and_no_kernel_backend():
 
 
 def test_backends_rejects_unknown_op():
-    with pytest.raises(ValueError,
-                       match=r"unknown op 'gelu'.*layer_norm, matmul, moe, rms_norm, rope, softmax, swiglu"):
+    with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, matmul, moe, qk_norm_rope, rms_norm, rope, "
+                                         r"softmax, swiglu"):
         hkernels.backends("gelu")
 
 
@@ -112,7 +112,7 @@ def test_env_is_read_at_call_time(monkeypatch, device):
     assert hkernels.selected_backend("softmax", x) == "torch"
 
 
-VALID = r"(auto, helion, triton, torch|layer_norm, matmul, moe, rms_norm, rope, softmax, swiglu)"
+VALID = r"(auto, helion, triton, torch|layer_norm, matmul, moe, qk_norm_rope, rms_norm, rope, softmax, swiglu)"
 
 
 @pytest.mark.parametrize("env", ["cuda", "helion,softmax=fast", "gelu=triton"])

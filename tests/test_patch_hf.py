@@ -42,7 +42,9 @@ def test_hf_patch_replaces_norms_mlps_rope_and_loss(family, device):
     done = hkernels.patch(model)
     try:
         ops = sorted({r.op for r in done})
-        assert ops == ["fused_linear_cross_entropy", "rms_norm", "rope", "swiglu"], ops
+        qk = ["qk_norm_rope"] if family == "qwen3" else []  # Qwen3's attention: its q_norm, k_norm and rope fused
+        assert ops == sorted(["fused_linear_cross_entropy", "rms_norm", "rope", "swiglu", *qk]), ops
+        assert sum(r.op == "qk_norm_rope" for r in done) == (2 if qk else 0)  # one per layer
         per_layer = 4 if family == "qwen3" else 2  # Qwen3's q_norm and k_norm too
         assert sum(r.op == "rms_norm" for r in done) == per_layer * 2 + 1
         assert isinstance(model.model.norm, hnn.RMSNorm)
@@ -81,6 +83,45 @@ def test_hf_patched_loss_and_gradients_match(family, device):
                                        atol=1e-4)
     finally:
         unpatch(model)
+
+
+@pytest.mark.parametrize("ops", ["qk_norm_rope", None], ids=["alone", "default"])
+def test_hf_qwen3_attention_runs_qk_norm_rope(ops, device, monkeypatch):
+    """Qwen3's attention patched: q_norm, k_norm and rope as one qk_norm_rope call per layer and step (the norms as
+    transformers' modules, or as hkernels' after the rms_norm patch), the cache updated as transformers does;
+    loss and every gradient as the unpatched model's, and greedy generation (one-token steps over the cache) the
+    same tokens."""
+    from hkernels.functional import qk_norm_rope as module
+
+    model, ids = _tiny("qwen3", device)
+    plain = copy.deepcopy(model)
+    calls = []
+    real = module.qk_norm_rope
+    monkeypatch.setattr(module, "qk_norm_rope", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    labels = ids.clone()
+    labels[0, 3] = -100
+    want = plain(input_ids=ids, labels=labels)
+    want.loss.backward()
+    done = hkernels.patch(model, ops=ops)
+    try:
+        assert sum(r.op == "qk_norm_rope" for r in done) == model.config.num_hidden_layers
+        with hkernels.use_backend("triton"):
+            got = model(input_ids=ids, labels=labels)
+            got.loss.backward()
+            assert len(calls) == model.config.num_hidden_layers  # one call per layer
+            torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-5)
+            for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            model.eval()
+            plain.eval()
+            with torch.no_grad():
+                tokens = model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False)
+                assert torch.equal(tokens, plain.generate(ids[:1, :6], max_new_tokens=3, do_sample=False))
+            layers = model.config.num_hidden_layers  # the prompt, then two steps of one token
+            assert [s[2] for s in calls[layers:]] == [6] * layers + [1] * (2 * layers)
+    finally:
+        unpatch(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_hf_state_dict_loads_both_ways(device):
