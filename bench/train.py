@@ -394,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, device, rank, world, say)
     finally:
         if args.dist != "none":
+            # every rank leaves together: a rank torn down while another still works aborted gloo's threads
+            # ("terminate called without an active exception") now and then
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 

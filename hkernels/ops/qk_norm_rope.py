@@ -187,14 +187,13 @@ def _bind_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Te
 
 def qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q: [B, Hq, S, D], k: [B, Hk, S, D] (unit stride along D), q_weight, k_weight: [D], cos, sin: [1 or B, S, D]
-    -> (q_out, k_out contiguous in q's and k's dtype, rstd_q [B, Hq, S], rstd_k [B, Hk, S] float32)."""
+    """As ``triton_fallback/qk_norm_rope.py``'s."""
     return _bind_fwd(q, k, q_weight, k_weight, cos, sin, eps)(q, k, q_weight, k_weight, cos, sin, eps)
 
 
 def qk_norm_rope_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
                      cos: Tensor, sin: Tensor, rstd_q: Tensor, rstd_k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients (dq, dk contiguous in q's and k's dtype; dq_weight, dk_weight in the weights' dtypes)."""
+    """As ``triton_fallback/qk_norm_rope.py``'s."""
     args = (dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, rstd_q, rstd_k)
     return _bind_bwd(*args)(*args)
 
