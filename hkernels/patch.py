@@ -19,9 +19,9 @@ What is replaced (``ops`` picks; default all but attention, ``"all"`` everything
   or a function marked ``hkernels_rope = "rotate_half"``, as ``bench.model``'s) -> :func:`hkernels.rope`; and
   Qwen2-VL's and Qwen2.5-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x's mRoPE) -> :func:`hkernels.rope`
   with ``mrope_section``;
-- ``qk_norm_rope``: the forward of Qwen3's and Qwen3-MoE's attention (:data:`HF_QK_NORM_ATTENTIONS`): its per-head
-  ``q_norm`` / ``k_norm`` and the rope after them run as one :func:`hkernels.qk_norm_rope` (the cache update, the
-  attention function and ``o_proj`` as transformers runs them);
+- ``qk_norm_rope``: the forward of Qwen3's, Qwen3-MoE's and Gemma 3's attention (:data:`HF_QK_NORM_ATTENTIONS`): its
+  per-head ``q_norm`` / ``k_norm`` and the rope after them run as one :func:`hkernels.qk_norm_rope` (the cache
+  update, the attention function and ``o_proj`` as transformers runs them);
 - ``cross_entropy``: ``torch.nn.CrossEntropyLoss`` modules (class weights included) -> :class:`hkernels.nn.
   CrossEntropyLoss`;
 - ``fused_linear_cross_entropy``: the forward of causal LMs, given labels: the loss of ``lm_head`` without its
@@ -224,8 +224,8 @@ def _geglu_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 
 # Hugging Face attention classes whose forward is q_norm and k_norm on each head, then apply_rotary_pos_emb
-# (Qwen3's): their forward runs the two as one hkernels.qk_norm_rope.
-HF_QK_NORM_ATTENTIONS = ("Qwen3Attention", "Qwen3MoeAttention")
+# (Qwen3's; Gemma 3's with its 1 + weight norms): their forward runs the two as one hkernels.qk_norm_rope.
+HF_QK_NORM_ATTENTIONS = ("Qwen3Attention", "Qwen3MoeAttention", "Gemma3Attention")
 _CACHES = ("cache", "past_key_values", "past_key_value")
 
 
@@ -259,7 +259,8 @@ def _consumed(cls: type) -> tuple[str, ...]:
 
 def _qk_norm_rope_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: Any = None,
                                     attention_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """Qwen3's attention forward with its per-head norms and rope as one :func:`hkernels.qk_norm_rope`; the rest
+    """Qwen3's (and Gemma 3's) attention forward with its per-head norms and rope as one
+    :func:`hkernels.qk_norm_rope`; the rest
     (projections, the cache update, the attention function the config selects, o_proj) as transformers runs it:
     transformers 5's ``cache.update(k, v, layer, kwargs=...)`` or 4's ``past_key_values.update(k, v, layer,
     {sin, cos, cache_position})``. Where its forward takes anything else, or its norms have two epsilons, its own

@@ -86,14 +86,20 @@ def test_hf_patched_loss_and_gradients_match(family, device):
 
 
 @pytest.mark.parametrize("ops", ["qk_norm_rope", None], ids=["alone", "default"])
-def test_hf_qwen3_attention_runs_qk_norm_rope(ops, device, monkeypatch):
-    """Qwen3's attention patched: q_norm, k_norm and rope as one qk_norm_rope call per layer and step (the norms as
-    transformers' modules, or as hkernels' after the rms_norm patch), the cache updated as transformers does;
-    loss and every gradient as the unpatched model's, and greedy generation (one-token steps over the cache) the
-    same tokens."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_hf_attention_with_head_norms_runs_qk_norm_rope(family, ops, device, monkeypatch):
+    """Qwen3's and Gemma 3's attention patched (Gemma 3: 1 + weight norms, a sliding and a full layer): q_norm,
+    k_norm and rope as one qk_norm_rope call per layer and step (the norms as transformers' modules, or as
+    hkernels' after the rms_norm patch), the cache updated as transformers does; loss and every gradient as the
+    unpatched model's, and greedy generation (one-token steps over the cache) the same tokens."""
     from hkernels.functional import qk_norm_rope as module
 
-    model, ids = _tiny("qwen3", device)
+    model, ids = _tiny(family, device) if family == "qwen3" else _tiny_windowed(family, device)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:  # weights that matter (Gemma's start at 0: a scale of 1)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.3)
     plain = copy.deepcopy(model)
     calls = []
     real = module.qk_norm_rope
