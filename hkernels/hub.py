@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="llama")
 
     forward.hkernels_layer = True  # type: ignore[attr-defined]  (on the function: kernels allows no new members)
 

@@ -55,7 +55,8 @@ def _over_last(x: Tensor, normalized_shape: tuple[int, ...], module: str) -> Ten
 class RMSNorm(nn.Module):
     """``torch.nn.RMSNorm`` on :func:`hkernels.rms_norm`: same arguments, parameter (``weight``) and state_dict.
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch. ``offset``: the scale is ``offset + weight``
-    (Gemma's RMSNorm is ``offset=1.0``), the weight initialised to ``1 - offset`` so that the scale starts at 1."""
+    (Gemma's RMSNorm is ``offset=1.0``), the weight initialised to ``1 - offset`` so that the scale starts at 1.
+    ``casting``: as :func:`hkernels.rms_norm`'s (``"llama"``: Hugging Face's Llama-form modules' result dtype)."""
 
     def __init__(
         self,
@@ -65,12 +66,14 @@ class RMSNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         offset: float = 0.0,
+        casting: str = "float32",
     ) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.offset = offset
+        self.casting = casting
         if elementwise_affine:
             self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - offset, device=device, dtype=dtype))
         else:
@@ -80,13 +83,15 @@ class RMSNorm(nn.Module):
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = self.weight
         if len(self.normalized_shape) == 1 and x.dim() and x.shape[-1] == self.normalized_shape[0]:
-            return rms_norm(x, w, eps, self.offset)  # the common case, without views (a call's host time counts)
+            return rms_norm(x, w, eps, self.offset, self.casting)  # the common case, without views (host time)
         rows = _over_last(x, self.normalized_shape, "RMSNorm")
-        return rms_norm(rows, None if w is None else w.reshape(-1), eps, self.offset).view(x.shape)
+        return rms_norm(rows, None if w is None else w.reshape(-1), eps, self.offset, self.casting).view(x.shape)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}"
+        casting = f", casting={self.casting!r}" if self.casting != "float32" else ""
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}"
+                f"{casting}")
 
 
 class LayerNorm(nn.Module):

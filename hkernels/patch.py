@@ -164,7 +164,9 @@ def _new_rms_norm(m: nn.Module) -> nn.Module | None:
     known = _hf_rms_norm(m)
     if known is None:
         return None
-    new = hnn.RMSNorm(m.weight.shape[0], known[0], True, device="meta", offset=known[1])
+    # (the Llama form rounds the normalised x to x's dtype before the weight: its result has their promoted dtype)
+    new = hnn.RMSNorm(m.weight.shape[0], known[0], True, device="meta", offset=known[1],
+                      casting="float32" if known[1] else "llama")
     new.weight = m.weight
     return new
 

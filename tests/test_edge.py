@@ -554,6 +554,36 @@ def test_norm_offset_is_gemmas_one_plus_weight(device):
             torch.testing.assert_close(hkernels.rms_norm(x, w, 1e-6, offset=1.0), want, rtol=1e-5, atol=1e-5)
 
 
+def test_norm_llama_casting_is_hugging_faces_llama_rmsnorm(device):
+    """casting="llama": the normalised x rounded to x's dtype, then times the weight, the result in their promoted
+    dtype — a float32 weight on bfloat16 input gives float32, and gradients of each input's dtype, as the module
+    computes them; with one dtype, the fused kernel (the float32 form); other values and an offset are refused."""
+    x = torch.randn(5, 64, device=device).to(torch.bfloat16).requires_grad_()
+    w = (1.0 + 0.2 * torch.randn(64, device=device)).requires_grad_()
+
+    def llama(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    want = llama(x, w)
+    up = torch.randn(want.shape, device=device)
+    want_grads = torch.autograd.grad(want, (x, w), up)
+    for backend in KERNEL_BACKENDS:
+        with hkernels.use_backend(backend):
+            got = hkernels.rms_norm(x, w, 1e-6, casting="llama")
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for a, b in zip(torch.autograd.grad(got, (x, w), up), want_grads, strict=True):
+                assert a.dtype == b.dtype
+                torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2)
+            same = hkernels.rms_norm(x, w.detach().to(torch.bfloat16), 1e-6, casting="llama")
+            assert torch.equal(same, hkernels.rms_norm(x, w.detach().to(torch.bfloat16), 1e-6))
+    with pytest.raises(ValueError, match=r"hkernels\.rms_norm: casting must be 'float32' or 'llama', got 'gemma'"):
+        hkernels.rms_norm(x, w, casting="gemma")
+    with pytest.raises(ValueError, match=r"hkernels\.rms_norm: casting='llama' is the form without an offset"):
+        hkernels.rms_norm(x, w, offset=1.0, casting="llama")
+
+
 @pytest.mark.parametrize(("option", "value", "error"), [
     ("softcap", 0.0, ValueError), ("softcap", -1.0, ValueError), ("softcap", float("nan"), ValueError),
     ("softcap", float("inf"), ValueError), ("lse_square_scale", -1e-4, ValueError),

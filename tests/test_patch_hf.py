@@ -218,7 +218,7 @@ def _named_norms_match(offset: float, weight_dtype: torch.dtype, device: torch.d
         with hkernels.use_backend("triton"):
             y = ours(x1)
         want = theirs(x2)
-        assert y.dtype == want.dtype == torch.bfloat16, type(theirs).__name__
+        assert y.dtype == want.dtype, type(theirs).__name__
         torch.testing.assert_close(y, want, rtol=1.6e-2, atol=1e-2)
         got = torch.autograd.grad(y, [x1, ours.weight], up)
         ref = torch.autograd.grad(want, [x2, theirs.weight], up)
@@ -227,11 +227,13 @@ def _named_norms_match(offset: float, weight_dtype: torch.dtype, device: torch.d
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(1.0, b.abs().max().item()))
 
 
-def test_hf_named_norms_are_replaced_without_the_kernels_package(device, monkeypatch):
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_hf_named_norms_are_replaced_without_the_kernels_package(weight_dtype, device, monkeypatch):
     """Every RMSNorm class patch names as Llama's computation (Mixtral's, Qwen2-VL's, Qwen3-MoE's, ...) is replaced
-    with offset 0 and computes the same, also where transformers' kernel mark is absent (a bfloat16 model: these
-    classes return the weight's dtype where it differs from x's, which hkernels.nn.RMSNorm does not)."""
-    _named_norms_match(0.0, torch.bfloat16, device, monkeypatch)
+    with offset 0 and computes the same, also where transformers' kernel mark is absent: in a bfloat16 model, and
+    with float32 weights on bfloat16 input (mixed precision's q_norm after a bfloat16 projection), where these
+    classes return float32 (casting="llama")."""
+    _named_norms_match(0.0, weight_dtype, device, monkeypatch)
 
 
 def test_hf_norms_that_scale_by_one_plus_weight_get_offset_one(device, monkeypatch):
@@ -597,7 +599,7 @@ def _spy_hub(monkeypatch) -> list[str]:
     calls: list[str] = []
     real_norm, patch_module = hub.rms_norm, sys.modules["hkernels.patch"]
     real_rotate = patch_module._rotate
-    monkeypatch.setattr(hub, "rms_norm", lambda *a: calls.append("rms_norm") or real_norm(*a))
+    monkeypatch.setattr(hub, "rms_norm", lambda *a, **k: calls.append("rms_norm") or real_norm(*a, **k))
     monkeypatch.setattr(patch_module, "_rotate", lambda *a: calls.append("rope") or real_rotate(*a))
     return calls
 

@@ -36,13 +36,27 @@ from hkernels.functional._base import (
 OP = "rms_norm"
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
+             casting: str = "float32") -> Tensor:
     """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * (offset + weight)``.
 
     x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight: [N] or None. ``offset``: Gemma's
     ``1 + weight`` is ``offset=1.0`` (the scale ``offset + weight`` taken in float32, as Gemma does). Math in
     float32; the result has x's dtype and shape. Differentiable in x and weight.
+
+    ``casting``: ``"float32"`` (the above: Gemma's way, the weight applied in float32, one rounding) or ``"llama"``
+    (Hugging Face's Llama-form RMSNorm: the normalised x rounded to x's dtype, then times the weight, the result in
+    their promoted dtype). They differ only where the weight's dtype is not x's (a float32 weight on a 16-bit x:
+    the result is float32; two steps then, the norm and a multiply); with one dtype "llama" is the same fused
+    kernel, rounding once where the module rounds twice.
     """
+    if casting != "float32":
+        if casting != "llama":
+            raise ValueError(f"hkernels.rms_norm: casting must be 'float32' or 'llama', got {casting!r}")
+        if offset:
+            raise ValueError("hkernels.rms_norm: casting='llama' is the form without an offset")
+        if isinstance(weight, torch.Tensor) and isinstance(x, torch.Tensor) and weight.dtype != x.dtype:
+            return weight * _CALLS(x, None, eps)
     if offset:
         weight = offset_weight(OP, weight, offset)
     return _CALLS(x, weight, eps)
