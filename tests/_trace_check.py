@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import hkernels  # noqa: E402
 from hkernels import dispatch  # noqa: E402
 from hkernels.functional import _base  # noqa: E402
+from triton_fallback import _chunked  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_compile  # noqa: E402
@@ -105,21 +106,28 @@ def _symbolic_fakes(args: tuple[object, ...]) -> tuple[list[object], object, set
     return fakes, env, {s.node.expr for s in symbols.values()}
 
 
-def _row_guards(env: object, rows: set[object]) -> list[str]:
+def _row_guards(env: object, rows: set[object], op: str) -> list[str]:
     """What tracing decided about the row symbols: a guard on one or a replacement of one (a specialisation), each
-    a recompile when the length changes. A size class (the length against a constant: ``s <= 4096``) is one
-    graph per class, not per length, and is not counted."""
+    a recompile when the length changes. The size classes an op declares (the length against one of its bounds:
+    one graph per class, not per length) are not counted."""
     found = [f"{k} = {v}" for k, v in env.replacements.items() if k in rows]
-    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows and not _size_class(g.expr)]
+    bounds = _SIZE_CLASSES.get(op, set())
+    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows and not _size_class(g.expr, bounds)]
 
 
-def _size_class(expr: object) -> bool:
+# The size classes each op's host code may guard a symbolic length on: the linear loss's chunk counts.
+_SIZE_CLASSES = {"fused_linear_cross_entropy": {_chunked.MIN_CHUNK * c for c in _chunked.TRACED_CLASSES}}
+
+
+def _size_class(expr: object, bounds: set[int]) -> bool:
+    """``expr`` is the length against one of ``bounds`` (s <= bound, or its negation)."""
     import sympy
 
     if not isinstance(expr, (sympy.LessThan, sympy.StrictLessThan, sympy.GreaterThan, sympy.StrictGreaterThan)):
         return False
     a, b = expr.lhs, expr.rhs
-    return bool((a.is_Symbol and b.is_Integer) or (a.is_Integer and b.is_Symbol))
+    number = b if a.is_Symbol else a if b.is_Symbol else None
+    return number is not None and number.is_Integer and int(number) in bounds
 
 
 _CHARS = int(os.environ.get("HKERNELS_TRACE_CHARS", "300"))  # of each error reported
@@ -256,8 +264,8 @@ def main() -> None:
                         results[key] = untraced[0]
                     elif "torch.ops.hkernels" in code:
                         results[key] = "opaque: the graph calls the custom op"
-                    elif symbolic and _row_guards(env, rows):
-                        results[key] = f"a guard on the row count: {_row_guards(env, rows)[:3]}"
+                    elif symbolic and _row_guards(env, rows, op):
+                        results[key] = f"a guard on the row count: {_row_guards(env, rows, op)[:3]}"
                     elif _AS_INDUCTOR:
                         results[key] = _AS_INDUCTOR[0]
                     elif "triton_kernel_wrapper_functional" not in code:
