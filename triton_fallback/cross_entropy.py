@@ -17,6 +17,8 @@ from triton_fallback._common import interpreting, next_pow2, persistent_programs
 from triton_fallback._launch import launch
 
 Tensor = torch.Tensor
+# exp(x) as exp2(x·log2 e): the flush-to-zero ex2, fewer instructions than tl.exp's
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 # The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py):
 # a persistent grid of a fixed size there, looping to the row count.
@@ -47,6 +49,7 @@ def _cross_entropy_fwd_kernel(
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
     SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr, WEIGHTED: tl.constexpr,
+    SMOOTH: tl.constexpr,
 ):
     # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
     # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax; with STATS pass 1 also keeps the
@@ -55,6 +58,7 @@ def _cross_entropy_fwd_kernel(
     # w_t, the smoothing term by each class's w_j (Σ w_j x_j and Σ w_j summed in pass 1, w_j read again in pass 2).
     smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     softcap = tl.cast(softcap, tl.float32)
+    inv_cap = 1.0 / softcap  # (x · 1/c: a multiply per logit where a division takes several instructions)
     z_scale = tl.cast(z_scale, tl.float32)
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
@@ -74,25 +78,26 @@ def _cross_entropy_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
             if SOFTCAP:
-                x = tl.where(cols < V, softcap * _tanh(x / softcap), -float("inf"))
+                x = tl.where(cols < V, softcap * _tanh(x * inv_cap), -float("inf"))
             block_max = tl.max(x, axis=0)
             new_max = tl.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            alpha = tl.exp(row_max - shift)
-            p = tl.exp(x - shift)
+            alpha = tl.math.exp2((row_max - shift) * LOG2E)
+            p = tl.math.exp2((x - shift) * LOG2E)
             row_sum = row_sum * alpha + tl.sum(p, axis=0)
             if STATS:  # the first index of a strictly larger max; −inf logits add nothing (0·−inf would be NaN)
                 first = tl.min(tl.where(x == block_max, cols, V), axis=0)
                 arg = tl.where(block_max > row_max, first, arg)
                 xe_sum = xe_sum * alpha + tl.sum(tl.where(x > -float("inf"), p * x, 0.0), axis=0)
             row_max = new_max
-            if WEIGHTED:
-                w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
-                x_sum += tl.sum(tl.where(cols < V, x * w, 0.0), axis=0)
-                w_sum += tl.sum(w, axis=0)
-            else:
-                x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+            if SMOOTH:  # Σx only for label smoothing: a reduction per block the plain loss does not need
+                if WEIGHTED:
+                    w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
+                    x_sum += tl.sum(tl.where(cols < V, x * w, 0.0), axis=0)
+                    w_sum += tl.sum(w, axis=0)
+                else:
+                    x_sum += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
             if HAS_GRAD and not XT_BARRIER:
                 # x_t picked out in passing, inside the block's reductions. A separate load of x[t] after pass 1
                 # races with pass 2 when the gradient overwrites the logits: another warp may store the gradient
@@ -105,7 +110,7 @@ def _cross_entropy_fwd_kernel(
         else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
             if SOFTCAP:
-                x_t = softcap * _tanh(x_t / softcap)
+                x_t = softcap * _tanh(x_t * inv_cap)
         # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
         # Differences before scaling, as PyTorch's: lse − x_t cancels exactly where it should (one logit: 0)
         if WEIGHTED:
@@ -139,9 +144,9 @@ def _cross_entropy_fwd_kernel(
                 cols = start + tl.arange(0, BLOCK_V)
                 x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
                 if SOFTCAP:
-                    th = _tanh(x / softcap)
+                    th = _tanh(x * inv_cap)
                     x = softcap * th
-                p = tl.exp(x - lse)
+                p = tl.math.exp2((x - lse) * LOG2E)
                 if WEIGHTED:
                     w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
                     g = p * p_factor - smoothing * w / V - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)
@@ -223,7 +228,8 @@ def cross_entropy_fwd(
         T, V, logits.stride(0), scale.stride(0), grad.stride(0) if grad is not None else 0,
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
-        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None, num_warps=warps,
+        SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None,
+        SMOOTH=label_smoothing != 0.0, num_warps=warps,
     )
     return loss
 

@@ -45,6 +45,7 @@ def _cross_entropy_fwd(
     ignore_index: int,
     smoothing: float,
     softcap: float,
+    inv_cap: float,
     z_scale: float,
     smooth: hl.constexpr,
     xt_load: hl.constexpr,
@@ -62,7 +63,8 @@ def _cross_entropy_fwd(
     # Per element, pass 1 costs a max, a subtract, a multiply, one exp2 and an add (plus Helion's selects of the
     # partial last block's lanes): exp is written as exp2 of x·log2 e, one MUFU op where libdevice's exp takes a
     # dozen instructions and makes the pass compute-bound. capped: each logit read as y = c·tanh(x / c), the
-    # gradient through 1 − tanh²; zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient;
+    # gradient through 1 − tanh² (x times inv_cap = 1 / c: a multiply per logit where a division takes several
+    # instructions); zloss: λ·lse² joins each row's loss (written to z), 2λ·lse·softmax its gradient;
     # stats: pass 1 also keeps the first index of the running max and Σ exp(x − max)·x, for each row's predicted
     # class (pred, −1 where ignored) and its softmax's entropy lse − Σ p·x (ent, 0 where ignored); weighted (class
     # weights w [V] float32, F.cross_entropy's): the target's term scaled by w_t, the smoothing term by each w_j.
@@ -84,12 +86,12 @@ def _cross_entropy_fwd(
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
             if capped:
-                x_t = softcap * _tanh(x_t / softcap)
+                x_t = softcap * _tanh(x_t * inv_cap)
         for tile_v in hl.tile(v):
             # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
             x = logits[tile_t, tile_v].to(torch.float32)
             if capped:
-                x = softcap * _tanh(x / softcap)
+                x = softcap * _tanh(x * inv_cap)
             block_max = torch.amax(x, dim=-1)
             new_max = torch.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
@@ -139,7 +141,7 @@ def _cross_entropy_fwd(
                 x = logits[tile_t, tile_w].to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
                 if capped:
-                    th = _tanh(x / softcap)
+                    th = _tanh(x * inv_cap)
                     x = softcap * th
                 p = torch.exp2((x - lse[:, None]) * LOG2E)
                 if weighted:  # p's factor (1−ε)·w_t + ε·Σw/V, and the z term's 2λ·lse (not weighted)
@@ -215,7 +217,8 @@ def cross_entropy_fwd(
     xt_load = grad is None or not same_memory(grad, logits)
     pred, ent = stats if stats is not None else (None, None)
     args = (logits, flat, target, scale, grad, z if zloss else None, pred, ent, weight, logits.stride(0),
-            int(ignore_index), float(label_smoothing), float(softcap), float(z_scale), label_smoothing != 0.0, xt_load,
+            int(ignore_index), float(label_smoothing), float(softcap), 1.0 / softcap if softcap > 0.0 else 0.0,
+            float(z_scale), label_smoothing != 0.0, xt_load,
             softcap > 0.0, zloss, stats is not None, weight is not None)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
