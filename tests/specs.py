@@ -353,6 +353,7 @@ CASES_LLM: list[Case] = [
     _qk_case("d4_batch_tables", 2, 2, 1, 5, 4, batch_tables=True),
     _qk_case("d256_eps", 1, 2, 1, 9, 256, eps=1e-2),  # Gemma 3's head dim
     _qk_case("packed", 2, 4, 2, 11, 64, positions="packed"),
+    _qk_case("head_groups", 2, 20, 10, 6, 8, batch_tables=True),  # Triton's programs: 4 and 2 groups of 5 heads
     _qk_case("qwen3_8b", 2, 32, 8, 256, 128, transposed=True, gpu_only=True),
     _qk_case("qwen3_odd_packed", 1, 16, 8, 1000, 128, transposed=True, gpu_only=True, positions="packed"),
     _rope_case("mrope_batch_tables_transposed", 2, 4, 2, 9, 64, batch_tables=True, transposed=True,
