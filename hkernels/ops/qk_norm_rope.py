@@ -33,12 +33,11 @@ def _qk_norm_rope_fwd(
     x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, eps: float, y: Tensor, rstd: Tensor
 ) -> None:
     # x, y: [B, H, S, 2, D/2]; w: [2, D/2]; cos, sin: [B, S, 2, D/2]; rstd: [B, H, S] float32.
-    # A program normalises and rotates a block of positions of a block of heads of one batch row: reads their rows
-    # and the positions' cos and sin once for all those heads (one program per head would read the tables from L2
-    # once per head of q and k), writes the rotated rows and their rstd.
+    # A program normalises and rotates a block of positions of one (batch, head): reads its rows and the
+    # positions' cos and sin once, writes the rotated rows and their rstd.
     b, h, s, _, half = x.size()
     half = hl.specialize(half)
-    for tile_b, tile_h, tile_s in hl.tile([b, h, s], block_size=[1, None, None]):
+    for tile_b, tile_h, tile_s in hl.tile([b, h, s], block_size=[1, 1, None]):
         x1 = x[tile_b, tile_h, tile_s, 0, :].to(torch.float32)
         x2 = x[tile_b, tile_h, tile_s, 1, :].to(torch.float32)
         r = torch.rsqrt((torch.sum(x1 * x1, dim=-1) + torch.sum(x2 * x2, dim=-1)) / (2 * half) + eps)
@@ -113,15 +112,6 @@ def _blocks(S: int) -> tuple[int, ...] | None:
     return (1,) if S == 1 else None
 
 
-def _fwd_blocks(S: int, H: int, D: int, device: torch.device, dtype: torch.dtype) -> tuple[int, ...] | None:
-    """The forward's (head, position) blocks where the shipped ones do not suit (see _blocks): one head where H
-    is 1, one position where S is 1."""
-    if S != 1 and H != 1:
-        return None
-    heads, positions = _helion.config_for(_qk_norm_rope_fwd.name, D, device, dtype).config["block_sizes"]
-    return (1 if H == 1 else heads, 1 if S == 1 else positions)
-
-
 def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
               ) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The forward for arguments of this signature: ``run(q, k, q_weight, k_weight, cos, sin, eps)``."""
@@ -135,10 +125,11 @@ def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Ten
     if B * S == 0:
         return lambda *args: (qo.clone(), ko.clone(), rq.clone(), rk.clone())
     c4, s4 = _tables(cos, sin, B)
+    blocks = _blocks(S)
     fq, lq = _helion.bind(_qk_norm_rope_fwd, (_halves(q), _weight(q_weight), c4, s4, eps, _halves(qo), rq), D,
-                          device, _fwd_blocks(S, Hq, D, device, q.dtype))
+                          device, blocks)
     fk, lk = _helion.bind(_qk_norm_rope_fwd, (_halves(k), _weight(k_weight), c4, s4, eps, _halves(ko), rk), D,
-                          device, _fwd_blocks(S, Hk, D, device, k.dtype))
+                          device, blocks)
 
     def run(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
