@@ -612,6 +612,40 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
     assert counter.frame_count <= 2, f"{op} on {backend}: {counter.frame_count} graphs for {len(LENGTHS)} lengths"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and Inductor's autotuning: GPU only")
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+@pytest.mark.parametrize(("op", "backend"), SYMBOLIC_TRACED, ids=lambda v: str(v))
+def test_compile_modes_with_the_length_varying(op, backend, mode, device):
+    """torch.compile's other modes with the length varying: ``reduce-overhead`` over a bucketed set of lengths, each
+    bucket's CUDA graphs recorded once and replayed when the length comes back; ``max-autotune-no-cudagraphs`` over
+    five lengths. Two graphs (the first length, then the length symbolic), each call as the eager one gives it,
+    forward and backward."""
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    options = torch._inductor.list_mode_options(mode)
+    graphs: list[Any] = []
+
+    def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs, config_patches=options)
+
+    fn = getattr(hkernels, op)
+    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=inductor)
+    lengths = (16, 32, 16, 64, 32, 64, 16) if mode == "reduce-overhead" else LENGTHS
+    g = torch.Generator().manual_seed(12)
+    with hkernels.use_backend(backend):
+        for n in lengths:
+            inputs, kwargs = _lengthed(op, n, g, device)
+            leaves = [x for x in inputs if x.requires_grad]
+            out = compiled(*inputs, **kwargs)
+            grads = torch.autograd.grad(out, leaves)
+            want = _llm_sum(fn(*inputs, **kwargs))
+            _assert_same(out.clone(), tuple(x.clone() for x in grads), want, torch.autograd.grad(want, leaves))
+    computing = sum(any(n.op == "call_function" for n in gm.graph.nodes) for gm in graphs)
+    assert computing == 2, f"{op} under {mode}: {computing} graphs for the lengths {lengths}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only (the trace itself is checked "
                     "on a CPU by test_every_kernel_launch_is_traced_into_the_graph)")
 @pytest.mark.parametrize("dynamic", [None, True, "mark_dynamic"], ids=["automatic", "dynamic", "mark_dynamic"])
