@@ -12,8 +12,10 @@
 Each variant starts from the same weights (one seed) and trains on the same batches: tokens drawn from a fixed
 random Markov chain (every token has 4 successors), so the loss falls from ln(V) towards ln(4) and curves can be
 compared. Reported: tokens/s over the timed steps (after warm-up), peak memory allocated during them, the last
-loss. ``--converge N`` also trains eager and hkernels (auto) for N steps each and compares their loss curves
-(10-step moving averages; the tolerance is printed with the result), with a plot when matplotlib is there.
+loss and the warm-up's wall time (where a compiled variant's compiles go), each variant's as it finishes;
+results.json is rewritten after each variant, so a run stopped part-way keeps the variants it finished.
+``--converge N`` also trains eager and hkernels (auto) for N steps each and compares their loss curves (10-step
+moving averages; the tolerance is printed with the result), with a plot when matplotlib is there.
 
 ``--amp``: mixed precision as most people train: float32 parameters, each forward under ``torch.autocast`` to
 ``--dtype`` (the backward and the optimizer step outside it). ``--seq-lens 512,1024,2048,4096``: the row length
@@ -263,7 +265,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
     timed = tokens = 0
     with _variant(name, model, _wrapper(dist_mode, device), _patch_ops(args), args.compile_mode) as fwd:
         opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, foreach=True)  # after wrapping (FSDP2 reshards)
-        t0 = time.perf_counter()
+        t0 = start = time.perf_counter()
         step_times: list[float] = []  # when each timed step ended (each ends in a sync: its loss's .item())
         for i, ids in enumerate(batches):
             if i == warmup:
@@ -271,6 +273,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
+                result["warmup_s"] = t0 - start if on_gpu and warmup else None
             with region():
                 loss = fwd(ids, labels=ids).loss
             loss.backward()
@@ -304,6 +307,9 @@ def train(name: str, args: argparse.Namespace, device: torch.device, steps: int,
         last_loss=losses[-1] if losses else None,
         losses=losses,
     )
+    if on_time:  # (each variant's numbers as it finishes: a run cut short keeps those in its log)
+        warm = f", warm-up {result['warmup_s']:.1f} s" if result.get("warmup_s") is not None else ""
+        say(f"  {name}: {result['tokens_per_s']:.0f} tokens/s, {result['step_ms']:.1f} ms a step{warm}")
     del model
     if on_gpu:
         torch.cuda.empty_cache()
@@ -417,7 +423,18 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
         say("python -m bench train: liger-kernel is not importable here; skipping the liger variant")
         variants.remove("liger")
     where = f", {args.dist} over {world} processes" if args.dist != "none" else ""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    env = {"model": args.model, "batch": args.batch, "seq": args.seq, "seq_lens": args.lengths,
+           "amp": args.amp, "compile_mode": args.compile_mode, "dtype": args.dtype, "steps": args.steps,
+           "warmup": args.warmup, "dist": args.dist, "world": world,
+           "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
+           "commit": os.environ.get("HKERNELS_COMMIT")}
+
+    def write(converge: dict[str, Any] | None = None) -> None:
+        if args.out is not None and rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"env": env, "rows": rows, "converge": converge}, indent=1)
+            (args.out / "results.json").write_text(text)
     for i, name in enumerate(variants, 1):
         seq = args.seq if len(args.lengths) == 1 else "/".join(map(str, args.lengths))
         dtype = f"float32 under autocast to {args.dtype}" if args.amp else args.dtype
@@ -429,6 +446,7 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:500]})
             if on_gpu:
                 torch.cuda.empty_cache()
+        write()  # after each variant: a run stopped part-way keeps the variants it finished
     converge = None
     if args.converge:
         ours = args.converge_variant
@@ -460,13 +478,7 @@ def _run(args: argparse.Namespace, device: torch.device, rank: int, world: int, 
         return 1 if any(r.get("error") for r in rows) else 0
     out = args.out
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        env = {"model": args.model, "batch": args.batch, "seq": args.seq, "seq_lens": args.lengths,
-               "amp": args.amp, "compile_mode": args.compile_mode, "dtype": args.dtype, "steps": args.steps,
-               "warmup": args.warmup, "dist": args.dist, "world": world,
-               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-               "commit": os.environ.get("HKERNELS_COMMIT")}
-        (out / "results.json").write_text(json.dumps({"env": env, "rows": rows, "converge": converge}, indent=1))
+        write(converge)
         if converge is not None and _plot(converge["curves"], out / "loss_curves.png"):
             say(f"plot: {out / 'loss_curves.png'}")
     if not on_gpu:
@@ -502,9 +514,9 @@ def _print_losses(rows: list[dict[str, Any]]) -> None:
 
 def _print_throughput(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
     eager = next((r for r in rows if r["variant"] == "eager" and r.get("tokens_per_s")), None)
+    dist = f"   ({args.dist} over {world} processes; tokens/s of all, memory of one)" if args.dist != "none" else ""
     print(f"\n{'variant':16s} {'tokens/s':>10s} {'step ms':>9s} {'peak MiB':>9s} {'vs eager':>8s} {'mem/eager':>9s} "
-          f"{'last loss':>9s}" + (f"   ({args.dist} over {world} processes; tokens/s of all, memory of one)"
-                                   if args.dist != "none" else ""))
+          f"{'last loss':>9s} {'warm-up s':>9s}{dist}")
     for r in rows:
         if not r.get("tokens_per_s"):
             print(f"{r['variant']:16s} {'failed: ' + r['error'][:100] if r.get('error') else 'no timed steps'}")
@@ -512,5 +524,6 @@ def _print_throughput(rows: list[dict[str, Any]], args: argparse.Namespace, worl
         tps, peak = r["tokens_per_s"], r["peak_mib"]
         speed = f"{tps / eager['tokens_per_s']:.2f}" if eager else "-"
         mem = f"{peak / eager['peak_mib']:.2f}" if eager and peak and eager["peak_mib"] else "-"
+        warm = f"{r['warmup_s']:9.1f}" if r.get("warmup_s") is not None else f"{'-':>9s}"
         print(f"{r['variant']:16s} {tps:10.0f} {r['step_ms']:9.1f} {peak or 0:9.0f} {speed:>8s} {mem:>9s} "
-              f"{r['last_loss']:9.4f}")
+              f"{r['last_loss']:9.4f} {warm}")

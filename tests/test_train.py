@@ -69,6 +69,25 @@ def test_each_variant_trains_what_its_name_says():
         assert not any(isinstance(m, hkernels.nn.RMSNorm) for m in model.modules()), name
 
 
+def test_a_run_stopped_part_way_keeps_the_variants_it_finished(tmp_path, monkeypatch):
+    """results.json is written after each variant: a run cut off in its second variant (a time limit, ^C) still
+    holds the first one's row, with its warm-up time (None where nothing is timed: a CPU)."""
+    real = train.train
+
+    def second_interrupted(name, *args, **kwargs):
+        if name == "hkernels-triton":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train", second_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--model", "tiny", "--seq", "8", "--batch", "2", "--steps", "1", "--warmup", "1",
+                    "--variants", "eager,hkernels-triton", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["eager"] and len(rows[0]["losses"]) == 2
+    assert "warmup_s" in rows[0] and (rows[0]["warmup_s"] is not None) == torch.cuda.is_available()
+
+
 def test_curve_comparison_flags_a_drift():
     eager = [5.0 - 0.03 * i for i in range(40)]
     assert train.compare_curves(eager, [x + 0.01 for x in eager])["match"]
