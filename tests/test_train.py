@@ -51,6 +51,19 @@ def test_train_moe_model_patches_its_experts(tmp_path):
     assert data["converge"]["match"] and rc == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor compiling the MoE model: GPU only (75 s on a CPU)")
+def test_train_moe_model_with_compile_follows_eager(tmp_path):
+    """The tiny MoE model patched (its experts on hkernels.moe) and compiled trains step for step as the plain
+    model does, in float32."""
+    rc = train.main(["--model", "tiny_moe", "--seq", "8", "--batch", "2", "--steps", "3", "--warmup", "0",
+                     "--variants", "eager,hkernels+compile", "--dtype", "float32", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert rc == 0 and [r["variant"] for r in rows] == ["eager", "hkernels+compile"], rows
+    eager, ours = (r["losses"] for r in rows)
+    assert len(eager) == len(ours) == 3
+    assert max(abs(a - b) for a, b in zip(eager, ours, strict=True)) < 1e-3
+
+
 def test_each_variant_trains_what_its_name_says():
     """The compiled variants yield a compiled module (hkernels+compile also patched), the hkernels ones a patched
     module that is not compiled, eager the plain model; each is undone afterwards."""
