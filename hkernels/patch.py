@@ -262,8 +262,8 @@ def _consumed(cls: type) -> tuple[str, ...]:
 def _qk_norm_rope_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: Any = None,
                                     attention_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
     """Qwen3's (and Gemma 3's) attention forward with its per-head norms and rope as one
-    :func:`hkernels.qk_norm_rope`; the rest
-    (projections, the cache update, the attention function the config selects, o_proj) as transformers runs it:
+    :func:`hkernels.qk_norm_rope`; the rest (projections, the cache update, the attention function the config
+    selects, o_proj) as transformers runs it:
     transformers 5's ``cache.update(k, v, layer, kwargs=...)`` or 4's ``past_key_values.update(k, v, layer,
     {sin, cos, cache_position})``. Where its forward takes anything else, or its norms have two epsilons, its own
     forward runs."""

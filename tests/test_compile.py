@@ -576,6 +576,20 @@ def _lengthed(op: str, n: int, g: torch.Generator, device: torch.device) -> tupl
 LENGTHS = (7, 12, 19, 33, 50)
 
 
+def _same_as_eager_at(compiled: Any, op: str, lengths: tuple[int, ...], seed: int, device: torch.device) -> None:
+    """``compiled`` (``_llm_sum`` of hkernels' ``op``) called at each length in turn: its result and gradients as
+    the eager call's (taken before the next call, which may replay into the same CUDA-graph memory)."""
+    fn = getattr(hkernels, op)
+    g = torch.Generator().manual_seed(seed)
+    for n in lengths:
+        inputs, kwargs = _lengthed(op, n, g, device)
+        leaves = [x for x in inputs if x.requires_grad]
+        out = compiled(*inputs, **kwargs)
+        grads = torch.autograd.grad(out, leaves)
+        want = _llm_sum(fn(*inputs, **kwargs))
+        _assert_same(out, grads, want, torch.autograd.grad(want, leaves))
+
+
 # On a CPU the kernel backends' custom ops stay opaque in a graph (interpreted kernels are not traced): Triton's
 # stands for both there; on a GPU each kernel backend is traced.
 _FIVE_LENGTHS = [
@@ -600,15 +614,8 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
     counter = CompileCounterWithBackend("aot_eager")
     fn = getattr(hkernels, op)
     compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter)
-    g = torch.Generator().manual_seed(4)
     with hkernels.use_backend(backend):
-        for n in LENGTHS:
-            inputs, kwargs = _lengthed(op, n, g, device)
-            leaves = [x for x in inputs if x.requires_grad]
-            out = compiled(*inputs, **kwargs)
-            grads = torch.autograd.grad(out, leaves)
-            want = _llm_sum(fn(*inputs, **kwargs))
-            _assert_same(out, grads, want, torch.autograd.grad(want, leaves))
+        _same_as_eager_at(compiled, op, LENGTHS, 4, device)
     assert counter.frame_count <= 2, f"{op} on {backend}: {counter.frame_count} graphs for {len(LENGTHS)} lengths"
 
 
@@ -633,15 +640,8 @@ def test_compile_modes_with_the_length_varying(op, backend, mode, device):
     fn = getattr(hkernels, op)
     compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=inductor)
     lengths = (16, 32, 16, 64, 32, 64, 16) if mode == "reduce-overhead" else LENGTHS
-    g = torch.Generator().manual_seed(12)
     with hkernels.use_backend(backend):
-        for n in lengths:
-            inputs, kwargs = _lengthed(op, n, g, device)
-            leaves = [x for x in inputs if x.requires_grad]
-            out = compiled(*inputs, **kwargs)
-            grads = torch.autograd.grad(out, leaves)
-            want = _llm_sum(fn(*inputs, **kwargs))
-            _assert_same(out.clone(), tuple(x.clone() for x in grads), want, torch.autograd.grad(want, leaves))
+        _same_as_eager_at(compiled, op, lengths, 12, device)
     computing = sum(any(n.op == "call_function" for n in gm.graph.nodes) for gm in graphs)
     assert computing == 2, f"{op} under {mode}: {computing} graphs for the lengths {lengths}"
 

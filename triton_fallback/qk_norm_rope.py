@@ -152,12 +152,21 @@ def _tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int]:
     return cos, sin, 0 if cos.shape[0] == 1 else cos.stride(0)
 
 
+def outputs(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's outputs, uninitialised: q_out [B, Hq, S, D] and k_out [B, Hk, S, D] contiguous in q's and k's
+    dtypes, rstd_q [B, Hq, S] and rstd_k [B, Hk, S] float32 (both backends' kernels write these)."""
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rq = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    rk = torch.empty(k.shape[:3], dtype=torch.float32, device=k.device)
+    return qo, ko, rq, rk
+
+
 def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
               ) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The forward for arguments of this signature: ``run(q, k, q_weight, k_weight, cos, sin, eps)``."""
     B, Hq, S, D = q.shape
     Hq, Hk, D = int(Hq), int(k.shape[1]), int(D)  # (specialised where a graph made them symbolic)
-    device = q.device
     bs = _block_s(D)
     meta = dict(HALF=D // 2, BLOCK_HALF=next_pow2(D // 2), BLOCK_S=bs, num_warps=WARPS)
     empty = (type(S) is int and S == 0) or (type(B) is int and B == 0)
@@ -166,10 +175,7 @@ def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Ten
 
     def run(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        qo = torch.empty((B, Hq, S, D), dtype=q.dtype, device=device)
-        ko = torch.empty((B, Hk, S, D), dtype=k.dtype, device=device)
-        rq = torch.empty((B, Hq, S), dtype=torch.float32, device=device)
-        rk = torch.empty((B, Hk, S), dtype=torch.float32, device=device)
+        qo, ko, rq, rk = outputs(q, k)
         if kq is not None and kk is not None:
             cos, sin, scb = _tables(cos, sin)
             kq.go(q, q_weight, cos, sin, qo, rq, S, Hq, *q.stride()[:3], scb, eps)

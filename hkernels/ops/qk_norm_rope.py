@@ -24,6 +24,7 @@ import torch
 
 from hkernels.ops import _helion
 from triton_fallback._common import cdiv, num_sms
+from triton_fallback.qk_norm_rope import outputs
 
 Tensor = torch.Tensor
 
@@ -115,13 +116,9 @@ def _blocks(S: int) -> tuple[int, ...] | None:
 def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
               ) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The forward for arguments of this signature: ``run(q, k, q_weight, k_weight, cos, sin, eps)``."""
-    B, Hq, S, D = q.shape
-    Hk = k.shape[1]
+    B, _, S, D = q.shape
     device = q.device
-    qo = torch.empty((B, Hq, S, D), dtype=q.dtype, device=device)
-    ko = torch.empty((B, Hk, S, D), dtype=k.dtype, device=device)
-    rq = torch.empty((B, Hq, S), dtype=torch.float32, device=device)
-    rk = torch.empty((B, Hk, S), dtype=torch.float32, device=device)
+    qo, ko, rq, rk = outputs(q, k)
     if B * S == 0:
         return lambda *args: (qo.clone(), ko.clone(), rq.clone(), rk.clone())
     c4, s4 = _tables(cos, sin, B)
@@ -133,10 +130,7 @@ def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Ten
 
     def run(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        qo = torch.empty((B, Hq, S, D), dtype=q.dtype, device=device)
-        ko = torch.empty((B, Hk, S, D), dtype=k.dtype, device=device)
-        rq = torch.empty((B, Hq, S), dtype=torch.float32, device=device)
-        rk = torch.empty((B, Hk, S), dtype=torch.float32, device=device)
+        qo, ko, rq, rk = outputs(q, k)
         c4, s4 = _tables(cos, sin, B)
         fq(_halves(q), _weight(q_weight), c4, s4, eps, _halves(qo), rq, _launcher=lq)
         fk(_halves(k), _weight(k_weight), c4, s4, eps, _halves(ko), rk, _launcher=lk)
