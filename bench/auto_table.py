@@ -1,6 +1,7 @@
 """python -m bench auto-table RESULTS.json ... --out FILE: the auto backend's table from measured benchmarks.
 
-For each op and each measured shape it compares Helion's and Triton's times (the sum over the modes measured:
+For each op and each measured shape it compares Helion's, Triton's and, where measured (the ``hk_torch`` rows),
+the torch backend's times (the sum over the modes measured:
 forward and forward+backward, or per-call latency for decode-sized rows, where the host's work is what a caller
 waits for) and writes which backend to use for the shapes around it. The dispatcher reads the table
 (hkernels/configs/auto/<arch>.json, or the tune command's copy in the user cache) to resolve auto.
@@ -39,6 +40,9 @@ from hkernels.tune.cases import HEAD_DIM, OP_OF, ROUTE_OF, SMALL_HEAD_DIM
 # routes the forward and the backward apart, and their saved tensors mean the same on both backends). The op's own
 # buckets route its backward: they are built from the backward's time, forward+backward minus forward.
 _FORWARD_APART = ("attention",)
+# the benchmark's backends auto chooses among, by the name the table gives them: hk_torch is hkernels on its torch
+# backend (PyTorch's own fused call where it has one), which auto takes where it was more than 2% faster
+_CANDIDATES = {"helion": "helion", "triton": "triton", "hk_torch": "torch"}
 
 
 def dispatch_shape(bench_op: str, m: int, n: int, k: int) -> tuple[int, int]:
@@ -89,19 +93,20 @@ def build(paths: list[Path]) -> dict[str, Any]:
         data = {"rows": [row for path in run for row in _rows_of(json.loads(path.read_text()))]}
         fresh: dict[tuple[Any, ...], dict[str, float]] = defaultdict(dict)
         for row in data["rows"]:
-            if row["backend"] not in ("helion", "triton") or row.get("error") or row["mode"] == "bwd":
+            if row["backend"] not in _CANDIDATES or row.get("error") or row["mode"] == "bwd":
                 continue
             op = OP_OF.get(row["op"], row["op"])
             rows, n = dispatch_shape(row["op"], row["m"], row["n"], row.get("k", 0))
             score = _score(row, host_bound(rows, n, op))
             route = ROUTE_OF.get(row["op"])
             if score:
-                fresh[(f"{op}:{route}" if route else op, rows, n, row["op"], row["mode"])][row["backend"]] = score
+                fresh[(f"{op}:{route}" if route else op, rows, n, row["op"], row["mode"])][
+                    _CANDIDATES[row["backend"]]] = score
         # A later file replaces a shape's whole cell: one run's numbers, one timing method (never fwd from one
         # run summed with fwd_bwd from another).
         per_cell: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, float]]] = defaultdict(dict)
         for (op, rows, n, variant, mode), by_backend in fresh.items():
-            if len(by_backend) == 2:
+            if "helion" in by_backend and "triton" in by_backend:
                 per_cell[(op, rows, n)][(variant, mode)] = by_backend
         cells.update(per_cell)
         compiled.update(_compiled_cells(data["rows"]))
@@ -180,18 +185,20 @@ def _points(cells: dict[tuple[str, int, int], dict[tuple[str, str], dict[str, fl
         chosen = {key: v for key, v in measured.items() if mode is None or key[1] == mode}
         if o != op or not chosen:
             continue
-        times = {b: 0.0 for b in ("helion", "triton")}
+        # the torch backend counts only where it was measured in every mode the kernels were
+        with_torch = all("torch" in v for v in chosen.values())
+        times = {b: 0.0 for b in ("helion", "triton", "torch")}
         modes = []
         for (variant, m), v in sorted(chosen.items()):
             fwd = measured.get((variant, "fwd")) if backward and m == "fwd_bwd" else None
             if backward and m == "fwd" and (variant, "fwd_bwd") in measured:
                 continue
-            for b in times:
+            for b in times if with_torch else ("helion", "triton"):
                 times[b] += v[b] - (fwd[b] if fwd else 0.0)
             modes.append(f"{variant} {m}{' − fwd' if fwd else ''}")
         unit = "µs per call" if host_bound(rows, n, op.split(":")[0]) else "ms"
         points.append((rows, n, times["helion"], times["triton"], f"rows={rows} n={n}",
-                       f"{unit} ({' + '.join(modes)})"))
+                       f"{unit} ({' + '.join(modes)})", times["torch"] if with_torch else None))
     return points
 
 

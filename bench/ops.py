@@ -735,9 +735,11 @@ def callable_for(op: OpBench, backend: str, compiled: dict[str, Any], dynamic: b
     default ``dynamic=None`` (a size that changes between calls becomes symbolic), else ``dynamic=False``."""
     if backend == "auto" and not os.environ.get("HKERNELS_BACKEND"):
         return op.kernel  # the default: no scope per call (a user calling the op plainly enters none)
-    if backend in ("helion", "triton", "auto"):
+    if backend in ("helion", "triton", "auto", "hk_torch"):  # hk_torch: hkernels' torch backend
+        name = "torch" if backend == "hk_torch" else backend
+
         def run(*a: Tensor) -> object:
-            with hkernels.use_backend(backend):
+            with hkernels.use_backend(name):
                 return op.kernel(*a)
         return run
     if backend == "torch":

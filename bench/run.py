@@ -7,7 +7,8 @@ and their share of the device-to-device copy bandwidth measured in the same run,
 eager and torch.compile, the extra peak memory of a call, and the largest error against a float64 reference
 (relative to the reference's largest value; a row of hkernels beyond the dtype's tolerance fails the run).
 Modes: fwd, fwd_bwd, and bwd (fwd_bwd minus fwd, both measured in the run). Backends: helion, triton and auto
-(hkernels), torch (plain PyTorch eager), torch_compile (the same, compiled), auto_compile (hkernels' call inside
+(hkernels), hk_torch (hkernels on its torch backend: PyTorch's fused kernel where it has one, what auto may choose),
+torch (plain PyTorch eager), torch_compile (the same, compiled), auto_compile (hkernels' call inside
 torch.compile), liger (Liger-Kernel, when importable), sdpa_flash and sdpa_cudnn (SDPA with that backend forced, for
 attention), flex (torch.nn.attention.flex_attention compiled, for the attention variants SDPA lacks). Writes
 results.csv, results.json (with the environment), table.txt, report.md and a PNG per memory-bound op.
@@ -37,9 +38,9 @@ import torch
 
 from bench import cli
 
-BACKENDS = ("helion", "triton", "auto", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
+BACKENDS = ("helion", "triton", "auto", "hk_torch", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
             "sdpa_cudnn", "flex", "grouped_mm", "dense_mm", "unfused")
-DEFAULT_BACKENDS = ("helion", "triton", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
+DEFAULT_BACKENDS = ("helion", "triton", "hk_torch", "torch", "torch_compile", "auto_compile", "liger", "sdpa_flash",
                     "sdpa_cudnn", "flex", "grouped_mm", "dense_mm", "unfused")
 # other libraries, timed for the ops that have them: Liger; SDPA with a backend forced; flex_attention compiled;
 # torch._grouped_mm and one dense matmul of the same flops (grouped_matmul); hkernels' own ops unfused (the calls a

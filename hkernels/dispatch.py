@@ -356,7 +356,7 @@ def _measured_choice(op: str, tensors: tuple[torch.Tensor, ...], fn: str | None 
     if found is None:
         return None
     arch, bucket = found
-    if bucket["backend"] not in ("helion", "triton"):
+    if bucket["backend"] not in BACKENDS:
         return None
     return bucket["backend"], (f"auto: {bucket['backend']} measured faster on {arch} ({bucket['source']} table; "
                                f"{bucket.get('measured', 'no detail')})")

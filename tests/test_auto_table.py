@@ -91,6 +91,24 @@ def test_auto_table_routes_attention_backward_by_the_backward_alone(tmp_path):
     assert "helion 6, triton 6.3 ms (attention fwd_bwd − fwd)" in bwd["measured"]
 
 
+def test_auto_table_takes_the_torch_backend_where_it_was_more_than_two_percent_faster(tmp_path):
+    """hk_torch rows (hkernels on its torch backend: PyTorch's fused kernel) are the third candidate. D = 128:
+    the backward goes to torch (5.0 ms against the kernels' 6.0), the forward stays on Triton (torch's 1.99 ms is
+    within 2% of 2.0). D = 64: the forward goes to torch (0.5 against 1.0); hk_torch has no forward+backward row
+    there, so the kernels decide the backward."""
+    rows = [{"op": "attention", "m": 4096, "n": 4096, "k": 4, "mode": mode, "backend": b, "ms": ms}
+            for mode, times in (("fwd", (3.0, 2.0, 1.99)), ("fwd_bwd", (9.0, 8.3, 6.99)))
+            for b, ms in zip(("helion", "triton", "hk_torch"), times, strict=True)]
+    rows += [{"op": "attention_d64", "m": 2048, "n": 2048, "k": 8, "mode": mode, "backend": b, "ms": ms}
+             for mode, times in (("fwd", (1.0, 1.1, 0.5)), ("fwd_bwd", (3.0, 3.3)))
+             for b, ms in zip(("helion", "triton", "hk_torch"), times, strict=False)]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": rows}))
+    table = auto_table.build([tmp_path / "results.json"])
+    assert [b["backend"] for b in table["attention"]] == ["helion", "torch"]
+    assert "helion 6, triton 6.3, torch 5 ms (attention fwd_bwd − fwd)" in table["attention"][1]["measured"]
+    assert [b["backend"] for b in table["attention:attention_fwd"]] == ["torch", "triton"]
+
+
 def test_auto_table_routes_windowed_and_capped_attention_apart(tmp_path):
     """Rows of attention with a window or a cap build buckets of their own for each direction, and leave the plain
     op's buckets to plain attention: Helion's plain backward wins here while its masked one loses."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 import hkernels
 from hkernels import configs, dispatch, references, registry
+from tests.specs import max_error
 
 
 @pytest.fixture(autouse=True)
@@ -445,6 +447,53 @@ def test_attention_forward_follows_buckets_of_its_own_under_auto(user_auto_table
         torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
     chosen = hkernels.selected_backend("attention", q, k, v)  # the forward's, and the backward's in the reason
     assert chosen == "triton" and "fwd: t" in chosen.reason and "the backward: auto: helion" in chosen.reason
+
+
+def test_auto_takes_the_torch_backend_where_the_table_measured_it_faster(user_auto_table, monkeypatch, device):
+    """A bucket may name torch (PyTorch's own call, measured faster): auto runs the torch backend's functions,
+    forward and backward, and says why."""
+    user_auto_table('{"rms_norm": [{"max_rows": null, "max_n": null, "backend": "torch", "measured": "p"}]}')
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    w = torch.randn(32, device=device, requires_grad=True)
+    fwd = _spy(monkeypatch, "torch", "rms_norm", "rms_norm_fwd")
+    bwd = _spy(monkeypatch, "torch", "rms_norm", "rms_norm_bwd")
+    kernels = [_spy(monkeypatch, b, "rms_norm", f) for b in ("helion", "triton") for f in ("rms_norm_fwd",
+                                                                                        "rms_norm_bwd")]
+    y = hkernels.rms_norm(x, w)
+    y.backward(torch.ones_like(y))
+    assert (fwd, bwd, kernels) == ([1], [1], [[], [], [], []])
+    chosen = hkernels.selected_backend("rms_norm", x, w)
+    assert chosen == "torch" and "measured faster" in chosen.reason and "p" in chosen.reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's fused attention kernels need a GPU")
+@pytest.mark.parametrize("order", [("torch", "triton"), ("triton", "torch")], ids=lambda o: "_then_".join(o))
+def test_attention_forward_and_backward_on_pytorchs_fused_kernel_and_triton_agree(user_auto_table, order,
+                                                                                  device):
+    """The torch backend's attention (cuDNN or flash where PyTorch takes the call) saves o and lse as the kernels
+    do: a forward on one and a backward on the other (auto's buckets route them apart) give the reference's
+    output and gradients, GQA and a transposed [B, S, H, D] layout included."""
+    fwd, bwd = order
+    user_auto_table(json.dumps({"attention:attention_fwd": [{"max_rows": None, "max_n": None, "backend": fwd,
+                                                             "measured": "f"}],
+                                "attention": [{"max_rows": None, "max_n": None, "backend": bwd, "measured": "b"}]}))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(2, 200, 8, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, 200, 2, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2) for _ in range(2))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = hkernels.attention(*leaves, causal=True)
+    do = torch.randn(out.shape, generator=g).to(device, torch.bfloat16)
+    out.backward(do)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = references.attention(*refs, causal=True)
+    want.backward(do.double())
+    bases = [t.detach().clone().requires_grad_() for t in (q, k, v)]  # the reference math in bfloat16
+    base = references.attention(*bases, causal=True)
+    base.backward(do)
+    problems = [max_error("out", out.detach(), want.detach(), base.detach(), torch.bfloat16)]
+    problems += [max_error(f"d{n}", a.grad, r.grad, b.grad, torch.bfloat16, do.abs().max().item())
+                 for n, a, r, b in zip("qkv", leaves, refs, bases, strict=True)]
+    assert not any(problems), "\n".join(p for p in problems if p)
 
 
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):

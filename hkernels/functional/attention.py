@@ -13,6 +13,7 @@ A query that keeps no key gets o = 0 and lse = −inf.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -217,11 +218,11 @@ def reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     query that keeps no key gets 0."""
     left, right = window_bounds(OP, window, bool(causal))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, _ = attention_fwd(q, k, v, bool(causal), scale, left, right, softcap_value(OP, softcap))
+    o, _ = math_fwd(q, k, v, bool(causal), scale, left, right, softcap_value(OP, softcap))
     return o
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
+def math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """-> (o [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32: logsumexp of the capped, scaled, masked scores;
     −inf and o = 0 for a query that keeps no key)."""
@@ -235,8 +236,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
     return o.to(q.dtype), lse.float()
 
 
-def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
-                  left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+def math_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
+             left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """P = exp(S − lse);  dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ∘ (dP − rowsum(dO ∘ O));  with a cap S = c·tanh(Z / c),
     Z = scale · Q Kᵀ: dZ = dS ∘ (1 − (S / c)²), else dZ = dS;  dQ = scale·dZ K;  dK = scale·dZᵀ Q  (dK, dV summed
     over each group's query heads)."""
@@ -268,9 +269,108 @@ def forward_fn(arguments: dict[str, Any]) -> str:
     return "attention_masked_fwd" if masked else "attention_fwd"
 
 
+# The torch backend. Without a window or a cap: PyTorch's own fused kernel where it takes the call (cuDNN's, else
+# flash's: CUDA, 16-bit, D and layout as PyTorch accepts them), so auto can choose it where it is the fastest;
+# elsewhere (CPU, float32/float64, a window or a cap) the math above. Their o and lse mean what the kernels' do
+# (o [B, Hq, S, D] contiguous, lse [B, Hq, S] float32, natural log): a forward on one backend and a backward on
+# another agree.
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    key = _fused_key(q, k, v, causal) if not _masked(causal, left, right, softcap) else None
+    kind = _fused_kernel(key, q, k, v, causal) if key is not None else None
+    try:
+        if kind == "cudnn":
+            o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                             scale=scale)
+            return o.contiguous(), lse[..., 0]
+        if kind == "flash":
+            o, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return o.contiguous(), lse
+    except RuntimeError as e:
+        _refused(key, kind, e)
+    return math_fwd(q, k, v, causal, scale, left, right, softcap)
+
+
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
+                  left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    key = _fused_key(q, k, v, causal) if not _masked(causal, left, right, softcap) else None
+    kind = _fused_kernel(key, q, k, v, causal) if key is not None else None
+    if kind is not None:
+        # the random-number state of dropout, which is off: never read
+        seed, offset = (torch.empty((), dtype=torch.int64, device=q.device) for _ in range(2))
+        S, Skv = q.shape[2], k.shape[2]
+        dof = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)  # the fused kernels read both alike
+        try:
+            if kind == "cudnn":
+                grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                    dof, q, k, v, o, lse.unsqueeze(-1), seed, offset, None, None, None, S, Skv, 0.0, causal,
+                    scale=scale)
+            else:
+                grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                    dof, q, k, v, o, lse, None, None, S, Skv, 0.0, causal, seed, offset, scale=scale)
+            return tuple(g.contiguous() for g in grads)
+        except RuntimeError as e:
+            _refused(key, kind, e)
+    return math_bwd(do, q, k, v, o, lse, causal, scale, left, right, softcap)
+
+
 # (a window or a cap: see _masked)
-attention_masked_fwd = attention_fwd
-attention_masked_bwd = attention_bwd
+attention_masked_fwd = math_fwd
+attention_masked_bwd = math_bwd
+
+# the static signature of a call -> which fused kernel PyTorch takes it with ("cudnn", "flash" or None)
+_FUSED: dict[tuple[Any, ...], str | None] = {}
+
+
+def _hint(v: Any) -> int:
+    return v if type(v) is int else int(v.node.hint)  # a symbolic size: the value it was traced at
+
+
+def _fused_key(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Any, ...] | None:
+    """What decides whether PyTorch's fused kernels take a call: device, dtype, heads, head dim, the lengths (any
+    length where symbolic), the layout of q, k, v (their dims by stride), causal, PyTorch's switches; None off CUDA
+    or 16-bit."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    orders = tuple(tuple(sorted(range(4), key=lambda d, t=t: -_hint(t.stride(d)))) for t in (q, k, v))
+    lengths = tuple(n if type(n) is int else 256 for n in (q.shape[2], k.shape[2]))
+    return (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], lengths, causal, orders,
+            torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+
+
+def _fused_kernel(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str | None:
+    """"cudnn" or "flash": the fused kernel PyTorch itself would take this call with (its own checks, asked once per
+    key on small tensors of the call's layout), cuDNN first (measured faster on sm90); None where neither takes it,
+    PyTorch's fused kernels are switched off, or one failed on this key before."""
+    found = _FUSED.get(key, False)
+    if found is not False:
+        return found
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    lengths, orders = key[5], key[7]
+    with unset_fake_temporarily():  # real tensors, also while torch.compile traces the call
+        probe = []
+        for t, order, n in zip((q, k, v), orders, (*lengths, lengths[1]), strict=True):
+            shape = (1, t.shape[1], n, t.shape[-1])
+            probe.append(torch.empty([shape[d] for d in order], dtype=t.dtype, device=t.device).permute(
+                [order.index(d) for d in range(4)]))
+        params = torch.backends.cuda.SDPAParams(*probe, None, 0.0, causal, q.shape[1] != k.shape[1])
+        found = ("cudnn" if torch.backends.cuda.can_use_cudnn_attention(params)
+                 else "flash" if torch.backends.cuda.can_use_flash_attention(params) else None)
+    if len(_FUSED) >= 4096:
+        _FUSED.clear()
+    _FUSED[key] = found
+    return found
+
+
+def _refused(key: tuple[Any, ...] | None, kind: str | None, error: Exception) -> None:
+    """A fused kernel PyTorch's checks accepted raised: this key runs the math from now on, with one warning."""
+    _FUSED[key] = None
+    warnings.warn(f"hkernels.attention: the torch backend's {kind} kernel failed on this input ({error}); it runs "
+                  "the reference math for such calls from now on", dispatch.HKernelsFallbackWarning, stacklevel=3)
+
 
 # Under autocast: as scaled_dot_product_attention, in autocast's dtype.
 _CALLS = Public(OP, _check, _body, autocast=Autocast("lower", ("aten::scaled_dot_product_attention",)))

@@ -16,8 +16,8 @@ import torch
 from hkernels import dispatch
 from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, check_range
 from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
-from hkernels.functional.attention import attention_bwd as _dense_bwd
-from hkernels.functional.attention import attention_fwd as _dense_fwd
+from hkernels.functional.attention import math_bwd as _dense_bwd
+from hkernels.functional.attention import math_fwd as _dense_fwd
 
 OP = "attention_varlen"
 _INDEX = (torch.int32, torch.int64)

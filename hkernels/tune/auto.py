@@ -27,6 +27,8 @@ TIE = 0.99  # Triton must be at least 1% faster to displace Helion (the primary 
 _WORK_BEYOND_ROWS = ("matmul", "fused_linear_cross_entropy", "attention", "attention_varlen")
 
 Point = tuple[int, int, float, float, str, str]  # rows, n, helion time, triton time, where, unit (and modes)
+# (a point may carry a seventh element: the torch backend's time, PyTorch's own call, where it was measured)
+TORCH_TIE = 0.98  # the torch backend displaces the faster kernel where it is more than 2% faster than it
 
 
 def host_bound(rows: int, n: int, op: str = "") -> bool:
@@ -38,21 +40,24 @@ def host_bound(rows: int, n: int, op: str = "") -> bool:
 def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
     """An op's auto buckets from measured points, by ascending n, then rows; each point's bucket covers the rows
     above the previous point's (the last open-ended), and the faster backend wins it (Triton must win by TIE to
-    displace Helion, the primary path). The n bounds: up to each n, the last open-ended (``exact_n=False``, the
+    displace Helion, the primary path; the torch backend, where measured, by TORCH_TIE over the faster kernel).
+    The n bounds: up to each n, the last open-ended (``exact_n=False``, the
     shipped table: every row length gets a choice); or exactly each n (the tune command's: tried before the
     shipped buckets, which still decide the row lengths that were not tuned)."""
     ns = sorted({p[1] for p in points})
     out = []
     for j, n in enumerate(ns):
         here = sorted(p for p in points if p[1] == n)
-        for i, (rows, _, helion, triton, where, unit) in enumerate(here):
+        for i, (rows, _, helion, triton, where, unit, *torch_) in enumerate(here):
             bounds = {"min_n": n, "max_n": n} if exact_n else {"max_n": n if j + 1 < len(ns) else None}
-            out.append({
-                "max_rows": rows if i + 1 < len(here) else None,
-                **bounds,
-                "backend": "triton" if triton < TIE * helion else "helion",
-                "measured": f"{where}: helion {helion:.4g}, triton {triton:.4g} {unit}",
-            })
+            backend = "triton" if triton < TIE * helion else "helion"
+            measured = f"{where}: helion {helion:.4g}, triton {triton:.4g}"
+            if torch_ and torch_[0] is not None:
+                measured += f", torch {torch_[0]:.4g}"
+                if torch_[0] < TORCH_TIE * min(helion, triton):
+                    backend = "torch"
+            out.append({"max_rows": rows if i + 1 < len(here) else None, **bounds, "backend": backend,
+                        "measured": f"{measured} {unit}"})
     return out
 
 
