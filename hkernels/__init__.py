@@ -42,6 +42,7 @@ from hkernels.functional.softmax import softmax  # noqa: E402
 from hkernels.functional.swiglu import swiglu  # noqa: E402
 from hkernels.hub import kernelize  # noqa: E402  (the same through transformers' kernel hooks)
 from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
+from hkernels.warmup import warmup  # noqa: E402  (a server's first calls, paid at start)
 
 trace_all()  # every op's custom ops visible to torch.compile (traced into the graph, not called back)
 del trace_all
@@ -77,4 +78,5 @@ __all__ = [
     "swiglu",
     "unpatch",
     "use_backend",
+    "warmup",
 ]
