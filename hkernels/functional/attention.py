@@ -336,7 +336,7 @@ def _fused_key(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Any, ...]
         return None
     orders = tuple(tuple(sorted(range(4), key=lambda d, t=t: -_hint(t.stride(d)))) for t in (q, k, v))
     lengths = tuple(n if type(n) is int else 256 for n in (q.shape[2], k.shape[2]))
-    return (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], lengths, causal, orders,
+    return (q.device, q.dtype, _hint(q.shape[1]), _hint(k.shape[1]), _hint(q.shape[-1]), lengths, causal, orders,
             torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
 
 
@@ -353,10 +353,10 @@ def _fused_kernel(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal:
     with unset_fake_temporarily():  # real tensors, also while torch.compile traces the call
         probe = []
         for t, order, n in zip((q, k, v), orders, (*lengths, lengths[1]), strict=True):
-            shape = (1, t.shape[1], n, t.shape[-1])
+            shape = (min(_hint(t.shape[0]), 2), _hint(t.shape[1]), n, _hint(t.shape[-1]))  # (2: the batch's stride)
             probe.append(torch.empty([shape[d] for d in order], dtype=t.dtype, device=t.device).permute(
                 [order.index(d) for d in range(4)]))
-        params = torch.backends.cuda.SDPAParams(*probe, None, 0.0, causal, q.shape[1] != k.shape[1])
+        params = torch.backends.cuda.SDPAParams(*probe, None, 0.0, causal, key[2] != key[3])
         found = ("cudnn" if torch.backends.cuda.can_use_cudnn_attention(params)
                  else "flash" if torch.backends.cuda.can_use_flash_attention(params) else None)
     if len(_FUSED) >= 4096:
