@@ -23,7 +23,7 @@ def test_tune_writes_tables_the_library_then_uses(tmp_path, monkeypatch, device,
         assert searched["min_n"] == searched["max_n"] == 64 and searched["settings"]["block_n"] == 64
         table = json.loads((tmp_path / "auto" / f"{arch}.json").read_text())
         (bucket,) = table["rms_norm"]
-        assert bucket["backend"] in ("helion", "triton") and bucket["max_rows"] is None
+        assert bucket["backend"] in ("helion", "triton", "torch") and bucket["max_rows"] is None
         assert bucket["min_n"] == bucket["max_n"] == 64  # exact in n: other row lengths keep the shipped buckets
         assert table["_points"]["rms_norm"][0][:2] == [4, 64]
         chosen = hkernels.selected_backend("rms_norm", torch.randn(4, 64, device=device), None)
@@ -49,6 +49,27 @@ def test_tuned_auto_buckets_of_an_ops_variants_are_the_ops(tmp_path):
                     "sm90", tmp_path)
     (bucket,) = json.loads((tmp_path / "auto" / "sm90.json").read_text())["attention"]
     assert bucket["backend"] == "helion"
+
+
+def test_tuned_auto_buckets_weigh_the_torch_backend(tmp_path):
+    """A point measured on all three backends gives torch the bucket where it was more than 2% faster than the
+    faster kernel; summed over an op's variants only where every variant measured it; points written without a
+    torch time (older tables) keep the kernels' choice."""
+    from hkernels.tune import auto
+
+    auto.write_auto({"attention": [(524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 1.0}, "attention a"),
+                                   (524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 2.5}, "attention_causal a")],
+                     "rms_norm": [(4096, 4096, {"helion": 1.0, "triton": 1.1, "torch": 0.99}, "rms_norm a")],
+                     "softmax": [(4096, 4096, {"helion": 1.0, "triton": 1.1}, "softmax a")]}, "sm90", tmp_path)
+    table = json.loads((tmp_path / "auto" / "sm90.json").read_text())
+    (attention,), (rms,), (soft,) = table["attention"], table["rms_norm"], table["softmax"]
+    assert attention["backend"] == "torch" and "helion 4, triton 6, torch 3.5" in attention["measured"]
+    assert rms["backend"] == "helion" and "torch 0.99" in rms["measured"]  # within 2% of Helion's
+    assert soft["backend"] == "helion" and "torch" not in soft["measured"]
+    auto.write_auto({"softmax": [(4096, 4096, {"helion": 1.0, "triton": 1.1, "torch": 0.5}, "softmax b")]},
+                    "sm90", tmp_path)
+    (soft,) = json.loads((tmp_path / "auto" / "sm90.json").read_text())["softmax"]
+    assert soft["backend"] == "torch"
 
 
 def test_tune_rejects_bad_arguments(capsys):

@@ -62,17 +62,24 @@ def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
 
 
 def measure_backends(case: Case, device: torch.device) -> dict[str, float]:
-    """Forward + forward-and-backward time of each kernel backend with the tables as they are now: GPU time (ms),
-    or at decode-size rows the per-call latency (µs) of calls back to back, which is what a caller waits for."""
+    """Forward + forward-and-backward time of each backend (helion, triton, and torch: PyTorch's own call) with the
+    tables as they are now: GPU time (ms), or at decode-size rows the per-call latency (µs) of calls back to back,
+    which is what a caller waits for. The torch backend is left out where it cannot run the case (its reference
+    math out of memory at long sequences)."""
     rows, n = case.rows_n()
     if host_bound(rows, n, case.op):
         timer = lambda fn: timing.time_per_call(fn, device)[0] * 1e3
     else:
         timer = lambda fn: timing.gpu_time_ms(fn, device)
     times = {}
-    for backend in ("helion", "triton"):
+    for backend in ("helion", "triton", "torch"):
         with hkernels.use_backend(backend):
-            times[backend] = timer(case.forward) + timer(case.forward_backward)
+            try:
+                times[backend] = timer(case.forward) + timer(case.forward_backward)
+            except torch.OutOfMemoryError:
+                if backend != "torch":
+                    raise
+                torch.cuda.empty_cache()
     return times
 
 
@@ -88,15 +95,18 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
         for rows, n, t, name in new_points:  # an op's variants at one shape (causal or not, ...): summed
             unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n, op) else "ms (fwd + fwd_bwd)"
             point = fresh.get((rows, n))
+            torch_time = t.get("torch")  # (absent from points written before the torch backend was measured)
             if point is None:
-                fresh[(rows, n)] = [rows, n, t["helion"], t["triton"], name, unit]
+                fresh[(rows, n)] = [rows, n, t["helion"], t["triton"], name, unit, torch_time]
             else:
                 point[2] += t["helion"]
                 point[3] += t["triton"]
                 point[4] += f" + {name}"
+                point[6] = None if point[6] is None or torch_time is None else point[6] + torch_time
         for key, point in fresh.items():
             point[4] += f", hkernels.tune {datetime.date.today()}"
             by_shape[key] = point
         kept[op] = sorted(by_shape.values())
-        table[op] = buckets([(*p, "ms")[:6] for p in kept[op]], exact_n=True)  # (a point without a unit: ms)
+        # (a point without a unit: ms; without a torch time: the kernels alone)
+        table[op] = buckets([(*p[:5], *(p[5:6] or ["ms"]), *(p[6:7] or [None])) for p in kept[op]], exact_n=True)
     tables.write(path, table)

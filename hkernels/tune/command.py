@@ -10,8 +10,9 @@ benchmark's, from hkernels.tune.cases, at the given dtype) it
   2. searches the Triton launch settings where the op has a search space (the row-wise forwards: rms_norm,
      add_rms_norm, layer_norm, softmax; rope's tile size and warps; cross_entropy's block, warps, stages and
      programs per SM), timing each candidate, and writes the fastest;
-  3. times the op on helion and on triton with what it just tuned (forward and forward+backward; per-call latency
-     at decode-size rows) and writes, per row length and rows, which backend auto should use (tried before the
+  3. times the op on helion and on triton with what it just tuned, and on torch (PyTorch's own call: auto takes it
+     where it is more than 2% faster than the faster kernel), forward and forward+backward (per-call latency at
+     decode-size rows), and writes, per row length and rows, which backend auto should use (tried before the
      shipped buckets).
 Everything goes to the user cache (HKERNELS_CACHE_DIR, else ~/.cache/hkernels; see hkernels.configs), which the
 library then prefers to the shipped tables: helion/<arch>/<op>.json, triton/<arch>/<op>.json, auto/<arch>.json.
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                 times = auto.measure_backends(case, device)
                 rows, n = case.rows_n()
                 measured.setdefault(OP_OF.get(op, op), []).append((rows, n, times, case.name))
-                summary.append(f"auto {case.name}: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms")
-                say(f"  auto: helion {times['helion']:.4f} ms, triton {times['triton']:.4f} ms (fwd + fwd_bwd)")
+                said = ", ".join(f"{b} {t:.4f}" for b, t in times.items())
+                summary.append(f"auto {case.name}: {said} ms")
+                say(f"  auto: {said} ms (fwd + fwd_bwd)")
         except Exception as e:  # one case failing must not lose the others' results
             failed += 1
             summary.append(f"FAILED {op} {shape}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
