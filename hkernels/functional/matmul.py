@@ -159,7 +159,18 @@ def reference(a: Tensor, b: Tensor, bias: Tensor | None = None, activation: str 
 
 def matmul_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
                ) -> tuple[Tensor, Tensor | None]:
-    """-> (act(a @ b + bias) in a's dtype, the pre-activation a @ b + bias (when keep_pre and an activation))."""
+    """-> (act(a @ b + bias) in a's dtype, the pre-activation a @ b + bias (when keep_pre and an activation)).
+    16-bit inputs: PyTorch's own call, cuBLAS in their dtype (float32 accumulation) with the bias added in its
+    epilogue (addmm), the activation on that result, as ``F.linear`` then the activation computes it."""
+    if a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and (bias is None or bias.dtype == a.dtype):
+        if bias is None:
+            z = torch.matmul(a, b)
+        elif a.dim() == 2:
+            z = torch.addmm(bias, a, b)
+        else:
+            z = torch.baddbmm(bias, a, b)
+        pre = z if keep_pre and activation is not None else None
+        return activate(z, activation), pre
     ct = compute_dtype(a.dtype)
     z = torch.matmul(a.to(ct), b.to(ct))
     if bias is not None:
