@@ -496,6 +496,46 @@ def test_attention_forward_and_backward_on_pytorchs_fused_kernel_and_triton_agre
     assert not any(problems), "\n".join(p for p in problems if p)
 
 
+def test_torch_backend_attention_moves_past_a_fused_kernel_that_fails(monkeypatch):
+    """Where a fused kernel PyTorch's checks accepted raises, the torch backend's attention runs the next one
+    (here flash's, then the math), warns once per kernel, and keeps the choice for the call's key. (On a CPU: the
+    fused kernels stood in for, the key made by hand.)"""
+    from hkernels.functional import attention as att
+
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    key = ("stand-in",)
+    monkeypatch.setattr(att, "_fused_key", lambda *a: key)
+    monkeypatch.setitem(att._FUSED, key, ("cudnn", "flash"))
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append("cudnn")
+        raise RuntimeError("cuDNN: no plan for this graph")
+
+    def flash(q, k, v, dropout, causal, debug, scale):
+        calls.append("flash")
+        o, lse = att.math_fwd(q, k, v, causal, scale)
+        return o, lse, None, None, 8, 8, None, None, None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fails)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="cudnn kernel failed.*run flash from now on"):
+        o, lse = att.attention_fwd(q, k, v, True, 0.25)
+    want, want_lse = att.math_fwd(q, k, v, True, 0.25)
+    assert calls == ["cudnn", "flash"] and torch.equal(o, want) and torch.equal(lse, want_lse)
+    assert att._FUSED[key] == ("flash",)
+    att.attention_fwd(q, k, v, True, 0.25)  # the next call goes straight to flash
+    assert calls == ["cudnn", "flash", "flash"]
+
+    def flash_fails(*args, **kwargs):
+        raise RuntimeError("flash: head dim")
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", flash_fails)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="flash kernel failed.*the reference math"):
+        o, _ = att.attention_fwd(q, k, v, True, 0.25)
+    assert torch.equal(o, want) and att._FUSED[key] == ()
+
+
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
     """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails
     too, Triton's error is what the caller sees."""

@@ -223,7 +223,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
 
 
 def math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
-                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+             softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """-> (o [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32: logsumexp of the capped, scaled, masked scores;
     −inf and o = 0 for a query that keeps no key)."""
     ct = compute_dtype(q.dtype)
@@ -279,28 +279,26 @@ def forward_fn(arguments: dict[str, Any]) -> str:
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, left: int = -1, right: int = -1,
                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     key = _fused_key(q, k, v, causal) if not _masked(causal, left, right, softcap) else None
-    kind = _fused_kernel(key, q, k, v, causal) if key is not None else None
-    try:
-        if kind == "cudnn":
-            o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                             scale=scale)
-            return o.contiguous(), lse[..., 0]
-        if kind == "flash":
+    for kind in _fused_kernels(key, q, k, v, causal) if key is not None else ():
+        try:
+            if kind == "cudnn":
+                o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    q, k, v, None, True, 0.0, causal, False, scale=scale)
+                return o.contiguous(), lse[..., 0]
             o, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return o.contiguous(), lse
-    except RuntimeError as e:
-        _refused(key, kind, e)
+        except RuntimeError as e:
+            _refused(key, kind, e)
     return math_fwd(q, k, v, causal, scale, left, right, softcap)
 
 
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
                   left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     key = _fused_key(q, k, v, causal) if not _masked(causal, left, right, softcap) else None
-    kind = _fused_kernel(key, q, k, v, causal) if key is not None else None
-    if kind is not None:
+    S, Skv = q.shape[2], k.shape[2]
+    for kind in _fused_kernels(key, q, k, v, causal) if key is not None else ():
         # the random-number state of dropout, which is off: never read
         seed, offset = (torch.empty((), dtype=torch.int64, device=q.device) for _ in range(2))
-        S, Skv = q.shape[2], k.shape[2]
         dof = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)  # the fused kernels read both alike
         try:
             if kind == "cudnn":
@@ -320,8 +318,8 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 attention_masked_fwd = math_fwd
 attention_masked_bwd = math_bwd
 
-# the static signature of a call -> which fused kernel PyTorch takes it with ("cudnn", "flash" or None)
-_FUSED: dict[tuple[Any, ...], str | None] = {}
+# the static signature of a call -> the fused kernels PyTorch takes it with, in the order tried ("cudnn", "flash")
+_FUSED: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
 def _hint(v: Any) -> int:
@@ -340,12 +338,12 @@ def _fused_key(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Any, ...]
             torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
 
 
-def _fused_kernel(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str | None:
-    """"cudnn" or "flash": the fused kernel PyTorch itself would take this call with (its own checks, asked once per
-    key on small tensors of the call's layout), cuDNN first (measured faster on sm90); None where neither takes it,
-    PyTorch's fused kernels are switched off, or one failed on this key before."""
-    found = _FUSED.get(key, False)
-    if found is not False:
+def _fused_kernels(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[str, ...]:
+    """The fused kernels PyTorch itself would take this call with, cuDNN's first (measured faster on sm90), then
+    flash's: PyTorch's own checks, asked once per key on small tensors of the call's layout; none where neither
+    takes it or PyTorch's fused kernels are switched off. A kernel that failed on the key before is left out."""
+    found = _FUSED.get(key)
+    if found is not None:
         return found
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -357,19 +355,21 @@ def _fused_kernel(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal:
             probe.append(torch.empty([shape[d] for d in order], dtype=t.dtype, device=t.device).permute(
                 [order.index(d) for d in range(4)]))
         params = torch.backends.cuda.SDPAParams(*probe, None, 0.0, causal, key[2] != key[3])
-        found = ("cudnn" if torch.backends.cuda.can_use_cudnn_attention(params)
-                 else "flash" if torch.backends.cuda.can_use_flash_attention(params) else None)
+        found = tuple(kind for kind, ok in (("cudnn", torch.backends.cuda.can_use_cudnn_attention),
+                                            ("flash", torch.backends.cuda.can_use_flash_attention)) if ok(params))
     if len(_FUSED) >= 4096:
         _FUSED.clear()
     _FUSED[key] = found
     return found
 
 
-def _refused(key: tuple[Any, ...] | None, kind: str | None, error: Exception) -> None:
-    """A fused kernel PyTorch's checks accepted raised: this key runs the math from now on, with one warning."""
-    _FUSED[key] = None
-    warnings.warn(f"hkernels.attention: the torch backend's {kind} kernel failed on this input ({error}); it runs "
-                  "the reference math for such calls from now on", dispatch.HKernelsFallbackWarning, stacklevel=3)
+def _refused(key: tuple[Any, ...], kind: str, error: Exception) -> None:
+    """A fused kernel PyTorch's checks accepted raised: calls of this key try the next one (or the math) from now
+    on, with one warning."""
+    _FUSED[key] = tuple(k for k in _FUSED.get(key, ()) if k != kind)
+    warnings.warn(f"hkernels.attention: the torch backend's {kind} kernel failed on this input ({error}); such "
+                  f"calls run {_FUSED[key][0] if _FUSED[key] else 'the reference math'} from now on",
+                  dispatch.HKernelsFallbackWarning, stacklevel=3)
 
 
 # Under autocast: as scaled_dot_product_attention, in autocast's dtype.
