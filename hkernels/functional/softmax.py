@@ -145,14 +145,22 @@ def reference(x: Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> Ten
 
 
 def softmax_fwd(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """x: [M, N] -> softmax over N, in ``dtype`` (default x.dtype)."""
+    """x: [M, N] -> softmax over N, in ``dtype`` (default x.dtype). PyTorch's own softmax (one pass, float32 math for
+    16-bit x) where the result's dtype is x's or wider (x cast up first is exact); the math below otherwise."""
+    if dtype is None or dtype == x.dtype:
+        return torch.softmax(x, -1)
+    if dtype.itemsize > x.dtype.itemsize and dtype.is_floating_point:
+        return torch.softmax(x, -1, dtype=dtype)
     xf = x.to(compute_dtype(x.dtype))
     e = torch.exp(xf - xf.amax(-1, keepdim=True))
     return (e / e.sum(-1, keepdim=True)).to(dtype or x.dtype)
 
 
 def softmax_bwd(dy: Tensor, y: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """dx = y·(dy − Σ dy·y), in ``dtype`` (default y.dtype)."""
+    """dx = y·(dy − Σ dy·y), in ``dtype`` (default y.dtype): PyTorch's own softmax backward (float32 math for 16-bit
+    y), rounded to ``dtype`` once where it is not y's."""
+    if dy.dtype == y.dtype:
+        return torch._softmax_backward_data(dy, y, -1, y.dtype).to(dtype or y.dtype)
     ct = compute_dtype(y.dtype)
     yf, dyf = y.to(ct), dy.to(ct)
     return (yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(dtype or y.dtype)
