@@ -47,10 +47,10 @@ from hkernels import _interpret
 from hkernels.tune.cases import make_inputs
 from hkernels.tune.timing import capture_graph, time_quantiles
 
-BACKENDS = ("auto", "helion", "triton", "torch", "torch_compile", "auto_compile", "liger")
+BACKENDS = ("auto", "helion", "triton", "hk_torch", "torch", "torch_compile", "auto_compile", "liger")
 _INTERPRETED = ("interpret mode on a CPU: the kernels run in Triton's interpreter, so these times measure nothing "
                 "(a check that the command runs)")
-KERNEL_BACKENDS = ("auto", "helion", "triton")
+KERNEL_BACKENDS = ("auto", "helion", "triton", "hk_torch")  # hk_torch: hkernels on its torch backend
 
 
 def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str, Any],
@@ -75,8 +75,10 @@ def _loop(op: Any, backend: str, inputs: list[torch.Tensor], compiled: dict[str,
                 return torch.autograd.grad(out if isinstance(out, tuple) else (out,), wrt, ups)
 
     if backend in KERNEL_BACKENDS:  # one scope per loop, not per call (as under HKERNELS_BACKEND)
+        scope = "torch" if backend == "hk_torch" else backend
+
         def run(n: int) -> None:
-            with hkernels.use_backend(backend):
+            with hkernels.use_backend(scope):
                 for _ in range(n):
                     call(*inputs)
         return run
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     shapes.append((m, n, 0))
         for shape in shapes:
             inputs = make_inputs(op, shape, dtype, device)
-            backends = [b for b in wanted if b in ("auto", "helion", "triton", "torch", "auto_compile")
+            backends = [b for b in wanted if b in ("auto", "helion", "triton", "hk_torch", "torch", "auto_compile")
                         or (b == "torch_compile" and op.compile) or b in op.peers]
             if args.dynamic:
                 _see_another_length(op, shape, backends, dtype, device, compiled, args.mode)
