@@ -41,9 +41,9 @@ def buckets(points: list[Point], exact_n: bool) -> list[dict[str, Any]]:
     """An op's auto buckets from measured points, by ascending n, then rows; each point's bucket covers the rows
     above the previous point's (the last open-ended), and the faster backend wins it (Triton must win by TIE to
     displace Helion, the primary path; the torch backend, where measured, by TORCH_TIE over the faster kernel).
-    The n bounds: up to each n, the last open-ended (``exact_n=False``, the
-    shipped table: every row length gets a choice); or exactly each n (the tune command's: tried before the
-    shipped buckets, which still decide the row lengths that were not tuned)."""
+    The n bounds: up to each n, the last open-ended (``exact_n=False``, the shipped table: every row length gets a
+    choice); or exactly each n (the tune command's: tried before the shipped buckets, which still decide the row
+    lengths that were not tuned)."""
     ns = sorted({p[1] for p in points})
     out = []
     for j, n in enumerate(ns):
