@@ -51,8 +51,11 @@ def warmup(ops: Iterable[str] | Mapping[str, Iterable[ShapeLike]], shapes: Itera
     times: dict[str, float] = {}
     for i, (op, shape) in enumerate(plan):
         start = time.perf_counter()
+        case = Case(op, (*shape, 0)[:3], dtype, dev)
+        if any(t.numel() == 0 for t in case.inputs):  # (a kernel is never launched on an empty input)
+            raise ValueError(f"hkernels.warmup: {op} at {'x'.join(map(str, shape))} has empty inputs, which warm "
+                             "nothing: give every size it takes (attention: (S, Hq·D, batch); matmul: (M, N, K))")
         try:
-            case = Case(op, (*shape, 0)[:3], dtype, dev)
             case.forward()
             if backward and case.spec.diff:
                 case.forward_backward()

@@ -52,13 +52,22 @@ def test_warmup_takes_shapes_per_op_and_forward_only(device, monkeypatch):
     assert list(times) == ["rms_norm 2x32 float32", "attention_causal 16x256x2 float32"] and bwd == []
 
 
-def test_warmup_names_what_it_cannot_run(device):
+def test_warmup_names_what_it_cannot_run(device, monkeypatch):
     with pytest.raises(ValueError, match=r"unknown op 'rmsnorm'.*rms_norm"):
         hkernels.warmup(["rmsnorm"], [(1, 64)])
     with pytest.raises(ValueError, match=r"rms_norm: a shape is \(M, N\) or \(M, N, K\)"):
         hkernels.warmup(["rms_norm"], [(64,)])
+    with pytest.raises(ValueError, match=r"attention at 16x256 has empty inputs.*\(S, Hq·D, batch\)"):
+        hkernels.warmup(["attention"], [(16, 256)], device=device)  # no batch: nothing would be launched
     with pytest.raises(TypeError, match="give shapes"):
         hkernels.warmup(["rms_norm"])
-    # (fewer query features than one head of 128: no heads)
-    with pytest.raises(RuntimeError, match=r"hkernels.warmup: attention at 16x100x1 failed: .*query heads \(0\)"):
+    with pytest.raises(ValueError, match="attention at 16x100x1 has empty inputs"):  # (no head of 128 in 100)
         hkernels.warmup({"attention": [(16, 100, 1)]}, dtype=torch.float32, device=device)
+    from hkernels.tune import cases
+
+    def fails(self):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(cases.Case, "forward", fails)
+    with pytest.raises(RuntimeError, match=r"hkernels.warmup: rms_norm at 2x32 failed: out of resources"):
+        hkernels.warmup({"rms_norm": [(2, 32)]}, dtype=torch.float32, device=device)
