@@ -95,7 +95,7 @@ def write_auto(measured: dict[str, list[tuple[int, int, dict[str, float], str]]]
         for rows, n, t, name in new_points:  # an op's variants at one shape (causal or not, ...): summed
             unit = "µs per call (fwd + fwd_bwd latency)" if host_bound(rows, n, op) else "ms (fwd + fwd_bwd)"
             point = fresh.get((rows, n))
-            torch_time = t.get("torch")  # (absent from points written before the torch backend was measured)
+            torch_time = t.get("torch")  # (absent where the torch backend was not timed)
             if point is None:
                 fresh[(rows, n)] = [rows, n, t["helion"], t["triton"], name, unit, torch_time]
             else:
