@@ -54,7 +54,7 @@ def test_tuned_auto_buckets_of_an_ops_variants_are_the_ops(tmp_path):
 def test_tuned_auto_buckets_weigh_the_torch_backend(tmp_path):
     """A point measured on all three backends gives torch the bucket where it was more than 2% faster than the
     faster kernel; summed over an op's variants only where every variant measured it; points written without a
-    torch time (older tables) keep the kernels' choice."""
+    torch time keep the kernels' choice."""
     from hkernels.tune import auto
 
     auto.write_auto({"attention": [(524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 1.0}, "attention a"),
