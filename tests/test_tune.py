@@ -58,12 +58,15 @@ def test_tuned_auto_buckets_weigh_the_torch_backend(tmp_path):
     from hkernels.tune import auto
 
     auto.write_auto({"attention": [(524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 1.0}, "attention a"),
-                                   (524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 2.5}, "attention_causal a")],
+                                   (524288, 128, {"helion": 2.0, "triton": 3.0, "torch": 2.5}, "attention_causal a"),
+                                   (524288, 64, {"helion": 2.0, "triton": 3.0, "torch": 0.1}, "attention_d64 a"),
+                                   (524288, 64, {"helion": 2.0, "triton": 3.0}, "attention_d64_causal a")],
                      "rms_norm": [(4096, 4096, {"helion": 1.0, "triton": 1.1, "torch": 0.99}, "rms_norm a")],
                      "softmax": [(4096, 4096, {"helion": 1.0, "triton": 1.1}, "softmax a")]}, "sm90", tmp_path)
     table = json.loads((tmp_path / "auto" / "sm90.json").read_text())
-    (attention,), (rms,), (soft,) = table["attention"], table["rms_norm"], table["softmax"]
+    (d64, attention), (rms,), (soft,) = table["attention"], table["rms_norm"], table["softmax"]
     assert attention["backend"] == "torch" and "helion 4, triton 6, torch 3.5" in attention["measured"]
+    assert d64["backend"] == "helion" and "torch" not in d64["measured"]  # one of its variants lacks torch
     assert rms["backend"] == "helion" and "torch 0.99" in rms["measured"]  # within 2% of Helion's
     assert soft["backend"] == "helion" and "torch" not in soft["measured"]
     auto.write_auto({"softmax": [(4096, 4096, {"helion": 1.0, "triton": 1.1, "torch": 0.5}, "softmax b")]},
