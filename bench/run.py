@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown {what}(s) {', '.join(bad)}; choose from {', '.join(known)}", file=sys.stderr)
             return 2
     if not on_gpu:  # the check on a CPU: interpreted kernels and eager PyTorch only
-        backends = [b for b in backends if b in ("helion", "triton", "auto", "torch")]
+        backends = [b for b in backends if b in ("helion", "triton", "auto", "hk_torch", "torch")]
         print(harness.INTERPRETED, flush=True)
 
     def shapes_for(op_name: str) -> list[tuple[int, int, int]]:
