@@ -468,7 +468,7 @@ def run(op: str, fn: str, request: str, *args: Any) -> Any:
         out = getattr(module, fn)(*args)
     else:
         out, module = _run_helion(op, fn, request, module, tensors, args, slot)
-    bound = _bind(module, fn, args) if (slot >= 0 or key is not None) else None
+    bound = _bind(module, fn, args, backend == "torch") if (slot >= 0 or key is not None) else None
     if bound is None:
         _plan.fill(slot, module)
     elif slot >= 0:
@@ -567,12 +567,16 @@ def _bound_key(op: str, fn: str, request: str, args: tuple[Any, ...]) -> tuple[A
     return tuple(key)
 
 
-def _bind(module: ModuleType, fn: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+def _bind(module: ModuleType, fn: str, args: tuple[Any, ...], plain: bool = False) -> Callable[..., Any] | None:
     """The backend function's binding for these arguments, or None (no binder: a replaced function, such as a test's
-    spy, has none; or binding failed, which the unbound function does not)."""
-    binder = getattr(getattr(module, fn), "bind", None)
+    spy, has none; or binding failed, which the unbound function does not). ``plain``: a backend whose functions
+    keep nothing per signature (torch): the function is its own binding, so the one-step paths take it too."""
+    function = getattr(module, fn)
+    binder = getattr(function, "bind", None)
     if binder is None:
-        return None
+        if not plain:
+            return None
+        binder = lambda *_: function
     try:
         bound = binder(*args)
     except Exception:  # the call itself ran: keep running it unbound
