@@ -157,6 +157,21 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     return y.to(x.dtype), rstd.float()
 
 
+def _bind_rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) -> Any:
+    """The torch backend's forward for calls of this signature; without the statistics (a forward no backward
+    follows) PyTorch's own ``F.rms_norm``, one pass, where the weight has x's dtype (the result's dtype then
+    follows x's, as the op's does)."""
+    if stats:
+        return rms_norm_fwd
+    if weight is not None and weight.dtype != x.dtype:
+        return None
+    shape = (x.shape[-1],)
+    return lambda x, weight, eps: torch.nn.functional.rms_norm(x, shape, weight, eps)
+
+
+rms_norm_fwd.bind = _bind_rms_norm_fwd  # type: ignore[attr-defined]
+
+
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     """dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x);  dw = Σ_rows dy·x·rstd."""
     ct = compute_dtype(x.dtype)
