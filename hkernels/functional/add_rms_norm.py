@@ -153,6 +153,25 @@ def add_rms_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: fl
     return y, s, rstd
 
 
+def _bind_add_rms_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, stats: bool = True
+                           ) -> Any:
+    """The torch backend's forward for calls of this signature; without the statistics (no backward follows) the
+    add, then PyTorch's own ``F.rms_norm``, where the weight has x's dtype: ``run(...) -> (y, s)``."""
+    if stats:
+        return add_rms_norm_fwd
+    if weight is not None and weight.dtype != x.dtype:
+        return None
+    shape = (x.shape[-1],)
+
+    def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        s = x + residual
+        return torch.nn.functional.rms_norm(s, shape, weight, eps), s
+    return run
+
+
+add_rms_norm_fwd.bind = _bind_add_rms_norm_fwd  # type: ignore[attr-defined]
+
+
 def add_rms_norm_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
                      ) -> tuple[Tensor, Tensor | None]:
     """dsum = rms_norm's dx at s + ds (the gradient of x and of residual); dw."""

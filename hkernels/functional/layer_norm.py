@@ -166,6 +166,21 @@ def layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
     return y.to(dtype or x.dtype), mean.float(), rstd.float()
 
 
+def _bind_layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                         dtype: torch.dtype | None = None, stats: bool = True) -> Any:
+    """The torch backend's forward for calls of this signature; without the statistics (no backward follows)
+    PyTorch's own ``F.layer_norm``, one pass, where the result and the parameters have x's dtype."""
+    if stats:
+        return layer_norm_fwd
+    if (dtype is not None and dtype != x.dtype) or any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+        return None
+    shape = (x.shape[-1],)
+    return lambda x, weight, bias, eps, dtype: torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+
+
+layer_norm_fwd.bind = _bind_layer_norm_fwd  # type: ignore[attr-defined]
+
+
 def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
                    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """x̂ = (x−mean)·rstd;  dx = rstd·(w·dy − mean(w·dy) − x̂·mean(w·dy·x̂));  dw = Σ dy·x̂;  db = Σ dy."""
