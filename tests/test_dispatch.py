@@ -208,6 +208,32 @@ def _spy(monkeypatch, backend: str, op: str, fn: str) -> list[int]:
     return calls
 
 
+def test_torch_backend_norms_without_a_gradient_are_pytorchs_own(monkeypatch, device):
+    """On the torch backend a norm's forward that keeps no statistics (no gradient wanted) is F.rms_norm /
+    F.layer_norm, from the first call of a signature on; its result is the reference's within the dtype's
+    rounding; with a gradient wanted it is not (the backward needs the statistics)."""
+    import torch.nn.functional as F
+
+    ran: list[str] = []
+    for name in ("rms_norm", "layer_norm"):
+        real = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda *a, real=real, name=name, **k: (ran.append(name), real(*a, **k))[1])
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(3, 5, 96, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    w, b = (torch.randn(96, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    with hkernels.use_backend("torch"), torch.no_grad():
+        for _ in range(2):
+            got = [hkernels.rms_norm(x, w), hkernels.layer_norm(x, w, b), *hkernels.add_rms_norm(x, r, w)]
+    assert ran == ["rms_norm", "layer_norm", "rms_norm"] * 2
+    want = [references.rms_norm(x, w), references.layer_norm(x, w, b), *references.add_rms_norm(x, r, w)]
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, atol=2e-2, rtol=2e-2)
+    ran.clear()
+    with hkernels.use_backend("torch"):
+        hkernels.rms_norm(x.clone().requires_grad_(), w)
+    assert ran == []
+
+
 @pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
 def test_named_backend_really_runs_forward_and_backward(monkeypatch, device, backend):
     fwd = _spy(monkeypatch, backend, "rms_norm", "rms_norm_fwd")
