@@ -561,6 +561,17 @@ def test_torch_backend_attention_moves_past_a_fused_kernel_that_fails(monkeypatc
         o, _ = att.attention_fwd(q, k, v, True, 0.25)
     assert torch.equal(o, want) and att._FUSED[key] == ()
 
+    # the backward the same way: cuDNN's raises, flash's (here the math) gives the gradients
+    monkeypatch.setitem(att._FUSED, key, ("cudnn", "flash"))
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", fails)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward",
+                        lambda do, q, k, v, o, lse, *rest, scale: att.math_bwd(do, q, k, v, o, lse, True, scale))
+    do = torch.randn_like(want)
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="cudnn kernel failed.*run flash from now on"):
+        grads = att.attention_bwd(do, q, k, v, want, want_lse, True, 0.25)
+    for got, ref in zip(grads, att.math_bwd(do, q, k, v, want, want_lse, True, 0.25), strict=True):
+        assert torch.equal(got, ref)
+
 
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
     """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails

@@ -295,11 +295,13 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float,
                   left: int = -1, right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     key = _fused_key(q, k, v, causal) if not _masked(causal, left, right, softcap) else None
-    S, Skv = q.shape[2], k.shape[2]
-    for kind in _fused_kernels(key, q, k, v, causal) if key is not None else ():
+    kinds = _fused_kernels(key, q, k, v, causal) if key is not None else ()
+    if kinds:
+        S, Skv = q.shape[2], k.shape[2]
         # the random-number state of dropout, which is off: never read
         seed, offset = (torch.empty((), dtype=torch.int64, device=q.device) for _ in range(2))
         dof = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)  # the fused kernels read both alike
+    for kind in kinds:
         try:
             if kind == "cudnn":
                 grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
