@@ -573,6 +573,71 @@ def test_torch_backend_attention_moves_past_a_fused_kernel_that_fails(monkeypatc
         assert torch.equal(got, ref)
 
 
+def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, device):
+    """On the torch backend grouped_matmul and moe at bfloat16 run ``torch._grouped_mm`` (forward, input and weight
+    gradients); their rows past the groups and their out-of-range slots still give zeros, and the results are the
+    float64 reference's within bfloat16's rounding. Where it raises, the loop runs, with one warning; an operand it
+    cannot take (a dim not a multiple of 8) goes to the loop without a try."""
+    from hkernels.functional import grouped_matmul as gm
+    from hkernels.functional import moe as moe_module
+
+    def make(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    g = torch.Generator().manual_seed(3)
+    x, w = make(20, 16).requires_grad_(), make(3, 24, 16, scale=0.25).requires_grad_()
+    sizes = torch.tensor([6, 0, 9], device=device)  # rows 15.. are in no group
+    try:
+        torch._grouped_mm(x.detach(), w.detach().transpose(1, 2), offs=sizes.cumsum(0).int())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pytest.skip("this PyTorch has no torch._grouped_mm for this device")
+    calls: list[int] = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(gm, "_GROUPED_MM_REFUSED", set())
+    with hkernels.use_backend("torch"):
+        y = hkernels.grouped_matmul(x, w, sizes)
+        y.backward(dy := make(*y.shape))
+    assert len(calls) == 3  # forward, dx, dw
+    assert torch.equal(y[15:], torch.zeros_like(y[15:])) and torch.equal(x.grad[15:], torch.zeros_like(x.grad[15:]))
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    (gm.reference(x64, w64, sizes) * dy.double()).sum().backward()
+    want = gm.reference(x64.detach(), w64.detach(), sizes)
+    for got, ref in ((y, want), (x.grad, x64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=5e-2, rtol=2e-2)
+
+    calls.clear()
+    ids = torch.randint(0, 3, (20, 2), generator=g)
+    ids[4, 1], ids[7, 0] = -1, 5  # out of range: these slots add nothing, whatever the rows past the groups hold
+    ids = ids.to(device)
+    tw = torch.rand(20, 2, generator=g).to(device, torch.bfloat16).requires_grad_()
+    gu, down = make(3, 32, 16, scale=0.25).requires_grad_(), make(3, 16, 16, scale=0.25).requires_grad_()
+    with hkernels.use_backend("torch"):
+        out = hkernels.moe(x.detach(), gu, down, ids, tw)
+        out.backward(dout := make(*out.shape))
+    assert len(calls) == 2 + 3  # forward: gate_up, down; backward: dh, dgate_up, ddown (x wants no gradient)
+    leaves64 = [t.detach().double().requires_grad_() for t in (gu, down, tw)]
+    ref = moe_module.reference(x.detach().double(), leaves64[0], leaves64[1], ids, leaves64[2])
+    (ref * dout.double()).sum().backward()
+    for got, expected in ((out, ref), (gu.grad, leaves64[0].grad), (down.grad, leaves64[1].grad),
+                          (tw.grad, leaves64[2].grad)):
+        torch.testing.assert_close(got.double(), expected.detach(), atol=6e-2, rtol=2e-2)
+
+    calls.clear()
+    with hkernels.use_backend("torch"):
+        hkernels.grouped_matmul(make(5, 12), make(2, 8, 12), sizes[:2])
+    assert calls == []  # K = 12: not a multiple of 8
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no grouped GEMM for this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", fails)
+    with hkernels.use_backend("torch"), pytest.warns(hkernels.HKernelsFallbackWarning, match="loop of matmuls"):
+        again = hkernels.grouped_matmul(x.detach(), w.detach(), sizes)
+    torch.testing.assert_close(again.double(), want, atol=5e-2, rtol=2e-2)
+    assert device.type in gm._GROUPED_MM_REFUSED
+
+
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
     """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails
     too, Triton's error is what the caller sees."""

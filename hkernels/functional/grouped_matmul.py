@@ -7,6 +7,7 @@ the reference math and the torch backend. Kernels: ``hkernels/ops/grouped_matmul
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -147,6 +148,11 @@ def reference(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
 
 
 def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
+    if grouped_mm_takes(x, weight):
+        offs = _offsets(group_sizes, x.shape[0])
+        y = grouped_mm(x, weight.transpose(1, 2), offs)
+        if y is not None:
+            return zero_rows_past(y, offs[-1:])
     return reference(x, weight, group_sizes)
 
 
@@ -154,6 +160,12 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
                        ) -> tuple[Tensor | None, Tensor | None]:
     """(dx [T, K] or None, dweight [E, N, K] or None), written out (a custom op's implementation runs without
     autograd)."""
+    if grouped_mm_takes(dy, x, weight):
+        offs = _offsets(group_sizes, x.shape[0])
+        dx = grouped_mm(dy, weight, offs) if need_x else None
+        dw = grouped_mm(dy.t(), x, offs) if need_weight else None
+        if (dx is not None or not need_x) and (dw is not None or not need_weight):
+            return (zero_rows_past(dx, offs[-1:]) if dx is not None else None), dw
     ct = compute_dtype(x.dtype)
     dx = torch.zeros(x.shape, dtype=ct, device=x.device) if need_x else None
     dw = torch.zeros(weight.shape, dtype=ct, device=x.device) if need_weight else None
@@ -165,6 +177,49 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
             if dw is not None:
                 dw[e] = g.T @ x[start:end].to(ct)
     return (dx.to(x.dtype) if dx is not None else None), (dw.to(weight.dtype) if dw is not None else None)
+
+
+# PyTorch's grouped GEMM, ``torch._grouped_mm`` (CUTLASS on sm90; a loop of matmuls on a CPU in recent PyTorch): the
+# torch backend's path for bfloat16, its one dtype, on rows aligned to 16 bytes. Its rows past the last offset are
+# left unwritten, so callers zero them; a device type where it raised keeps the loop above (one warning).
+_GROUPED_MM_REFUSED: set[str] = set()
+
+
+def grouped_mm_takes(*tensors: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: bfloat16, non-empty, every dim but the rows a multiple of
+    8 elements, unit inner stride, aligned start."""
+    t0 = tensors[0]
+    if t0.dtype != torch.bfloat16 or t0.device.type in _GROUPED_MM_REFUSED or not hasattr(torch, "_grouped_mm"):
+        return False
+    for t in tensors:
+        dims = t.shape[1:] if t.dim() == 2 else t.shape  # a 2-d operand's rows are the grouped (any) dim
+        if (t.dtype != t0.dtype or t.stride(-1) != 1 or t.storage_offset() % 8 != 0
+                or any(type(n) is int and n == 0 for n in t.shape) or any(n % 8 != 0 for n in dims[-2:])):
+            return False
+    return True
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor | None:
+    """``torch._grouped_mm(a, b, offs=offs)``, or None (and the device type keeps the loop) where it raises."""
+    try:
+        return torch._grouped_mm(a, b, offs=offs)
+    except (RuntimeError, NotImplementedError) as e:
+        _GROUPED_MM_REFUSED.add(a.device.type)
+        warnings.warn(f"hkernels: torch._grouped_mm failed on {a.device.type} ({e}); the torch backend's grouped "
+                      f"matmuls there run a loop of matmuls from now on", dispatch.HKernelsFallbackWarning,
+                      stacklevel=3)
+        return None
+
+
+def zero_rows_past(y: Tensor, end: Tensor) -> Tensor:
+    """y with its rows from ``end`` (a one-element device tensor) on set to zero, without a host sync."""
+    rows = torch.arange(y.shape[0], device=y.device, dtype=end.dtype)
+    return y.masked_fill_((rows >= end)[:, None], 0)
+
+
+def _offsets(group_sizes: Tensor, rows: int) -> Tensor:
+    """[E] int32: each group's end row, sizes clamped at 0 and ends at ``rows`` (as the kernels read them)."""
+    return torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=rows).to(torch.int32)
 
 
 # Under autocast: as each group's matmul, in autocast's dtype.

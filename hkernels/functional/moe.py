@@ -26,6 +26,7 @@ from hkernels.functional._base import (
     compute_dtype,
     wants_grad,
 )
+from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes
 from triton_fallback._routing import routing
 
 OP = "moe"
@@ -200,18 +201,27 @@ def _combine(y: Tensor, pos: Tensor, topk_ids: Tensor, weights: Tensor | None, E
     """out[t] = Σⱼ (w[t, j] ·) y[pos[t, j]] over the slots with an id in [0, E)."""
     T, k = topk_ids.shape
     rows = y[pos.long()].view(T, k, y.shape[1])
-    keep = ((topk_ids >= 0) & (topk_ids < E)).to(y.dtype)
+    valid = ((topk_ids >= 0) & (topk_ids < E))[..., None]
     if weights is not None:
-        keep = keep * weights.to(y.dtype)
-    return (rows * keep[..., None]).sum(1)
+        rows = rows * weights.to(y.dtype)[..., None]
+    return torch.where(valid, rows, 0.0).sum(1)  # (a where, not a product: rows past the groups may be unwritten)
 
 
 def moe_fwd(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor, topk_weights: Tensor, save: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The kernels' forward, written out in torch on the same sorted layout (see triton_fallback/moe.py)."""
-    ct = compute_dtype(x.dtype)
     E, I2, _ = gate_up_proj.shape
     src, order, pos, ends = routing(topk_ids, E)
+    if grouped_mm_takes(x, gate_up_proj, down_proj):  # PyTorch's grouped GEMM, on the same sorted rows
+        offs = ends[:E]
+        pre = grouped_mm(x[src.long()], gate_up_proj.transpose(1, 2), offs)
+        if pre is not None:
+            g, u = pre.float().chunk(2, -1)
+            y = grouped_mm((F.silu(g) * u).to(x.dtype), down_proj.transpose(1, 2), offs)
+            if y is not None:
+                out = _combine(y.float(), pos, topk_ids, topk_weights, E).to(x.dtype)
+                return out, (pre if save else pre.new_empty(0)), src, order, pos, ends
+    ct = compute_dtype(x.dtype)
     rows = src.numel()
     pre = x.new_zeros((rows, I2))
     y = torch.zeros((rows, x.shape[1]), dtype=ct, device=x.device)
@@ -229,6 +239,11 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, to
             need_weights: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
     """(dx or None, dgate_up_proj or None, ddown_proj or None, dtopk_weights), written out (a custom op's
     implementation runs without autograd); the math is triton_fallback/moe.py's."""
+    if grouped_mm_takes(dout, x, gate_up_proj, down_proj):
+        found = _moe_bwd_grouped_mm(dout, x, gate_up_proj, down_proj, topk_ids, topk_weights, pre, src, order, pos,
+                                    ends, need_x, need_weights)
+        if found is not None:
+            return found
     ct = compute_dtype(x.dtype)
     E, _I2, H = gate_up_proj.shape
     rows = src.numel()
@@ -254,6 +269,42 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, to
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return (dx if need_x else None, dgu.to(gate_up_proj.dtype) if need_weights else None,
             dd.to(down_proj.dtype) if need_weights else None, dtw)
+
+
+def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, topk_ids: Tensor,
+                        topk_weights: Tensor, pre: Tensor, src: Tensor, order: Tensor, pos: Tensor, ends: Tensor,
+                        need_x: bool, need_weights: bool
+                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor] | None:
+    """moe_bwd with ``torch._grouped_mm``'s grouped GEMMs (None where one raised). The rows past the last expert's
+    (out-of-range ids) are left unwritten by them and masked here."""
+    E = gate_up_proj.shape[0]
+    offs = ends[:E]
+    valid = torch.arange(src.shape[0], device=x.device, dtype=torch.int32) < ends[E - 1:E]
+    do = dout[src.long()]
+    dh_raw = grouped_mm(do, down_proj, offs)
+    if dh_raw is None:
+        return None
+    w = topk_weights.reshape(-1)[order.long()].float()[:, None]
+    g, u = pre.float().chunk(2, -1)
+    sig = torch.sigmoid(g)
+    h = g * sig * u
+    dh_raw = dh_raw.float()
+    dsw = torch.where(valid, (dh_raw * h).sum(1), 0.0)
+    dh = dh_raw * w
+    dpre = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * g * sig], 1).to(x.dtype)
+    dx = dgu = dd = None
+    if need_x:
+        dx_rows = grouped_mm(dpre, gate_up_proj, offs)
+        if dx_rows is None:
+            return None
+        dx = _combine(dx_rows.float(), pos, topk_ids, None, E).to(x.dtype)
+    if need_weights:
+        dd = grouped_mm(do.t(), (h * w).to(x.dtype), offs)
+        dgu = grouped_mm(dpre.t(), x[src.long()], offs)
+        if dd is None or dgu is None:
+            return None
+    dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
+    return dx, dgu, dd, dtw
 
 
 # Under autocast: as its experts' matmuls (and Hugging Face's eager experts), every input in autocast's dtype.
