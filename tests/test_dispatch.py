@@ -638,6 +638,58 @@ def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, de
     assert device.type in gm._GROUPED_MM_REFUSED
 
 
+def test_torch_backend_attention_varlen_runs_flash_varlen_and_masks_what_it_leaves(monkeypatch):
+    """The torch backend's attention_varlen calls PyTorch's FlashAttention varlen kernels where they take the call;
+    what they leave unwritten (rows past the last sequence) gives zeros, a row that sees no key has lse −inf here
+    and +inf where the kernel reads it, and a kernel that raises sends the device to the loop with one warning.
+    (On a CPU: the kernels stood in for by the loop, their unwritten rows filled with NaN.)"""
+    from hkernels.functional import attention_varlen as av
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(11, 4, 16, generator=g).bfloat16()  # rows 9, 10: in no sequence
+    k, v = (torch.randn(9, 2, 16, generator=g).bfloat16() for _ in range(2))
+    cu_q = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 5, 9], dtype=torch.int32)  # the first: 3 queries, 2 keys (causal: one sees no key)
+    args = (cu_q, cu_k, 6, 4, True, 0.25)
+    want_o, want_lse = av.attention_varlen_fwd(q, k, v, *args)
+    do = torch.randn(q.shape, generator=g).bfloat16()
+    want_grads = av.attention_varlen_bwd(do, q, k, v, want_o, want_lse, *args)
+    seen: dict[str, torch.Tensor] = {}
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, window_size_left,
+                window_size_right):
+        o, lse = want_o.clone(), want_lse.clone()
+        o[9:], lse[:, 9:] = float("nan"), float("nan")
+        return o, lse.masked_fill(lse == float("-inf"), float("inf")), None, None, None
+
+    def backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale,
+                 window_size_left, window_size_right):
+        seen["lse"] = lse
+        grads = [t.clone() for t in want_grads]
+        for t in grads:
+            t[9:] = float("nan")
+        return grads
+
+    monkeypatch.setattr(av, "_flash", lambda q, *rest: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", backward)
+    o, lse = av.attention_varlen_fwd(q, k, v, *args)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse) and bool((lse[:, 0] == float("-inf")).all())
+    grads = av.attention_varlen_bwd(do, q, k, v, o, lse, *args)
+    assert bool((seen["lse"][:, 0] == float("inf")).all())
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, ref)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fails)
+    monkeypatch.setattr(av, "_FLASH_REFUSED", set())
+    with pytest.warns(hkernels.HKernelsFallbackWarning, match="one sequence at a time"):
+        o, _ = av.attention_varlen_fwd(q, k, v, *args)
+    assert torch.equal(o, want_o) and q.device in av._FLASH_REFUSED
+
+
 def test_auto_falls_back_to_helion_where_measured_triton_fails(user_auto_table, monkeypatch, device):
     """The table picks Triton; Triton cannot run the input: Helion runs it, with one warning; if Helion fails
     too, Triton's error is what the caller sees."""

@@ -8,6 +8,7 @@ and ``triton_fallback/attention.py``, launched over (sequence, query block) prog
 
 from __future__ import annotations
 
+import warnings
 from itertools import pairwise
 from typing import Any
 
@@ -206,7 +207,20 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
                          causal: bool, scale: float, left: int = -1, right: int = -1, softcap: float = 0.0
                          ) -> tuple[Tensor, Tensor]:
     """-> (o [Tq, Hq, D] in q's dtype, lse [Hq, Tq] float32; −inf and o = 0 for rows that see no key or belong to
-    no sequence). max_q, max_k are not needed here (the sequences are read on the host)."""
+    no sequence). PyTorch's FlashAttention varlen kernel where it takes the call (see _flash); else the sequences
+    one by one, read on the host."""
+    if _flash(q, cu_q, cu_k, max_q, max_k, softcap):
+        try:
+            o, lse, *_ = torch.ops.aten._flash_attention_forward(
+                q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=left,
+                window_size_right=right)
+        except RuntimeError as e:
+            _refused(q, e)
+        else:
+            # rows that see no key: lse +inf there, −inf here; rows past the last sequence are left unwritten
+            past = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype) >= cu_q[-1:]
+            lse = lse.masked_fill(past | (lse == float("inf")), float("-inf"))
+            return o.masked_fill_(past[:, None, None], 0), lse
     o = q.new_zeros(q.shape) + q[:0].sum()  # (an empty sum: zeros on autograd's graph even with no sequence)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for (qa, qb), (ka, kb) in zip(_spans(cu_q, q.shape[0]), _spans(cu_k, k.shape[0]), strict=True):
@@ -222,7 +236,21 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
 def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_q: Tensor,
                          cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float, left: int = -1,
                          right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """Each sequence's gradients by the attention backward's formula; zeros for rows outside every sequence."""
+    """Each sequence's gradients by the attention backward's formula (PyTorch's FlashAttention varlen backward
+    where it takes the call); zeros for rows outside every sequence."""
+    if _flash(q, cu_q, cu_k, max_q, max_k, softcap):
+        rng = torch.empty(2, dtype=torch.int64, device=q.device)  # dropout's random-number state: off, never read
+        try:
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                do, q, k, v, o, lse.masked_fill(lse == float("-inf"), float("inf")), cu_q, cu_k, max_q, max_k, 0.0,
+                causal, rng, rng, scale=scale, window_size_left=left, window_size_right=right)
+        except RuntimeError as e:
+            _refused(q, e)
+        else:
+            for g, cu in ((dq, cu_q), (dk, cu_k), (dv, cu_k)):
+                g.masked_fill_((torch.arange(g.shape[0], device=g.device, dtype=cu.dtype) >= cu[-1:])[:, None, None],
+                               0)
+            return dq, dk, dv
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (qa, qb), (ka, kb) in zip(_spans(cu_q, q.shape[0]), _spans(cu_k, k.shape[0]), strict=True):
         if qb == qa or kb == ka:
@@ -232,6 +260,23 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
         for full, part, a, b in ((dq, g[0], qa, qb), (dk, g[1], ka, kb), (dv, g[2], ka, kb)):
             full[a:b] += part[0].transpose(0, 1)
     return dq, dk, dv
+
+
+# PyTorch's FlashAttention varlen kernel (the one ``torch.nn.attention.varlen`` calls): CUDA, 16-bit, int32
+# cu_seqlens, the longest sequences known, no cap. A device where it raised keeps the loop (one warning).
+_FLASH_REFUSED: set[torch.device] = set()
+
+
+def _flash(q: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, softcap: float) -> bool:
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not softcap and max_q > 0 and max_k > 0
+            and cu_q.dtype == cu_k.dtype == torch.int32 and q.shape[-1] % 8 == 0 and q.device not in _FLASH_REFUSED)
+
+
+def _refused(q: Tensor, error: Exception) -> None:
+    _FLASH_REFUSED.add(q.device)
+    warnings.warn(f"hkernels.attention_varlen: the torch backend's FlashAttention kernel failed on {q.device} "
+                  f"({error}); calls there run one sequence at a time from now on",
+                  dispatch.HKernelsFallbackWarning, stacklevel=3)
 
 
 # Under autocast: as scaled_dot_product_attention, in autocast's dtype.
