@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.child is not None:
         return _child_main(args.child)
-    from hkernels import _interpret
+    from hkernels.runtime import interpret as _interpret
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not (args.quick and _interpret.enabled()):

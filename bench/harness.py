@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hkernels.runtime.device import num_sms
 from hkernels.tune.timing import time_ms
-from triton_fallback._common import num_sms
 
 # Said in stdout and at the top of report.md when the kernels run in Triton's interpreter on a CPU.
 INTERPRETED = (

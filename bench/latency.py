@@ -43,7 +43,7 @@ import torch
 
 from bench import cli
 from bench.ops import OPS, PRESETS, callable_for, preset_shapes, quick_shapes
-from hkernels import _interpret
+from hkernels.runtime import interpret as _interpret
 from hkernels.tune.cases import make_inputs
 from hkernels.tune.timing import capture_graph, time_quantiles
 

@@ -82,7 +82,7 @@ def _parse(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
-    from hkernels import _interpret
+    from hkernels.runtime import interpret as _interpret
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not (args.quick and _interpret.enabled()):

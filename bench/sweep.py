@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="time only families whose name contains this (e.g. _bwd; default: all)")
     p.add_argument("--out", type=Path, default=Path("sweep.json"), help="the JSON file of every timing")
     args = p.parse_args(argv)
-    from hkernels import _interpret  # (interpret mode is set up on import)
+    from hkernels.runtime import interpret as _interpret  # (interpret mode is set up on import)
 
     if not torch.cuda.is_available() and not _interpret.enabled():
         print("python -m bench sweep times kernels on a CUDA GPU and found none (HKERNELS_INTERPRET=1: a dry run on "

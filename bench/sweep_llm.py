@@ -280,7 +280,7 @@ def _linear_ce_chunks(t: int, h: int, v: int, device: torch.device) -> list[dict
     import torch.nn.functional as F
 
     import hkernels
-    from triton_fallback import _chunked
+    from hkernels.runtime import chunked as _chunked
 
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(t, h, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()

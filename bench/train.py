@@ -377,7 +377,7 @@ def _init_dist(mode: str, say: Callable[[str], None]) -> tuple[torch.device, int
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    from hkernels import _interpret
+    from hkernels.runtime import interpret as _interpret
 
     say = lambda s: print(s, file=sys.stderr, flush=True)
     on_gpu = torch.cuda.is_available()

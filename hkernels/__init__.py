@@ -7,9 +7,9 @@ kernels on CPU tensors in Triton's interpreter.
 
 from __future__ import annotations
 
-# First: importing _interpret fixes interpret mode for the process (triton_fallback/_interpret.py) before any kernel
+# First: importing _interpret fixes interpret mode for the process (hkernels/runtime/interpret.py) before any kernel
 # module or triton is imported, since triton.jit decides interpreted-or-not when it decorates.
-from hkernels import _interpret
+from hkernels.runtime import interpret as _interpret
 
 _interpret.setup()
 

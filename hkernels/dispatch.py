@@ -15,7 +15,7 @@ run the input; CPU tensors run on torch (in interpret mode, CPU tensors take the
 backend asked for by name that cannot run the call raises :class:`BackendUnavailableError`, naming the op, the
 backend, the reason and what can run instead.
 
-Inside a plan (``triton_fallback/_plan.py``) the route a call took is recorded once per call signature and
+Inside a plan (``hkernels/runtime/plan.py``) the route a call took is recorded once per call signature and
 replayed: a replayed call neither reads the tables nor builds a route key.
 """
 
@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from hkernels import _interpret, configs, registry
-from triton_fallback import _plan
+from hkernels import configs, registry
+from hkernels.runtime import interpret as _interpret
+from hkernels.runtime import plan as _plan
 
 BACKENDS: tuple[str, ...] = registry.BACKENDS
 REQUESTS: tuple[str, ...] = ("auto", *BACKENDS)

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 import hkernels.patch  # noqa: F401  (the module: hkernels.patch is also the function)
-from hkernels import _interpret
 from hkernels.functional.rms_norm import rms_norm
+from hkernels.runtime import interpret as _interpret
 
 _patch = sys.modules["hkernels.patch"]
 

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import hkernels  # noqa: E402
 from hkernels import dispatch  # noqa: E402
 from hkernels.functional import _base  # noqa: E402
-from triton_fallback import _chunked  # noqa: E402
+from hkernels.runtime import chunked as _chunked  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_compile  # noqa: E402

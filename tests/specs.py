@@ -291,12 +291,12 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
                              return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
                              return_entropy: bool = False, ce_weight: Tensor | None = None) -> Any:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
-    (triton_fallback/_chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
+    (hkernels/runtime/chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
     different algorithm). The loss options and metrics as the op takes them."""
     from hkernels import references
     from hkernels.functional.cross_entropy import loss_output
-    from triton_fallback import _chunked
+    from hkernels.runtime import chunked as _chunked
 
     rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     parts = [  # per token of each chunk: (loss, z term, -, predicted class, entropy)

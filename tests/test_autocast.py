@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 import hkernels
 from hkernels import references, registry
+from hkernels.runtime import chunked as _chunked
 from tests.conftest import FULL
 from tests.specs import BACKENDS, CASES_LLM, ON_GPU, Case, _randn, cast_case, max_error
 from tests.test_llm_ops import _leaves, _outputs
-from triton_fallback import _chunked
 
 Tensor = torch.Tensor
 AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]

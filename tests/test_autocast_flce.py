@@ -12,8 +12,8 @@ import torch
 
 import hkernels
 from hkernels import references
+from hkernels.runtime import chunked as _chunked
 from tests.specs import BACKENDS, _torch_chunked_linear_ce, max_error
-from triton_fallback import _chunked
 
 Tensor = torch.Tensor
 

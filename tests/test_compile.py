@@ -356,7 +356,7 @@ def test_linear_loss_chunks_at_a_symbolic_length_follow_its_size_class(tokens, h
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from triton_fallback import _chunked
+    from hkernels.runtime import chunked as _chunked
 
     env = ShapeEnv()
     t = env.create_symintnode(env.create_symbol(tokens, ConstantSource("t"), dynamic_dim=DimDynamic.DYNAMIC),
@@ -420,7 +420,7 @@ def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, 
     """Where tracing an op's body into the graph fails, the op is called back instead (one warning), and the
     result is still right: what the failed trace recorded is dead code."""
     from hkernels.functional import rms_norm as module
-    from triton_fallback import _plan
+    from hkernels.runtime import plan as _plan
 
     real = module.rms_norm_fwd
 
@@ -488,7 +488,8 @@ def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hkernels.ops import rms_norm as helion_rms_norm
-    from triton_fallback import _launch, _plan
+    from hkernels.runtime import launch as _launch
+    from hkernels.runtime import plan as _plan
 
     grids: list[tuple[int, ...]] = []
     monkeypatch.setattr(_launch, "traced", lambda kernel, grid, args, meta: grids.append(tuple(grid)))

@@ -1,4 +1,4 @@
-"""The lean Triton launch path (triton_fallback._launch): its key never merges what Triton specialises apart, and
+"""The lean Triton launch path (hkernels.runtime.launch): its key never merges what Triton specialises apart, and
 kernels launched through it give the results of a plain launch across the specialisations it keys on."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+from hkernels.runtime import launch as _launch
 from tests.conftest import ON_GPU
-from triton_fallback import _launch
 
 
 def _triton_spec(a):

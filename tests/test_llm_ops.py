@@ -9,8 +9,8 @@ import torch
 
 import hkernels
 from hkernels import references
+from hkernels.runtime import chunked as _chunked
 from tests.specs import BACKENDS, CASES_LLM, DTYPES, cast_case, max_error
-from triton_fallback import _chunked
 
 Tensor = torch.Tensor
 
@@ -125,7 +125,7 @@ def test_moe_routing_kernels_match_the_torch_routing(backend, shape, device):
     """The one-launch routing of the decode sizes (a counting sort) gives exactly the torch routing: the stable
     order, each slot's row, the group ends and the bounds or tile schedule, with repeated experts in a row, experts
     with no slot and ids outside [0, E) (sorted past the last group). 128 × 8 slots fill several tiles of slots."""
-    from triton_fallback._routing import ROUTE_MAX, bounds, routing, tile_ends
+    from hkernels.runtime.routing import ROUTE_MAX, bounds, routing, tile_ends
 
     T, k = shape
     E = 6

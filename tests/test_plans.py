@@ -1,4 +1,4 @@
-"""Plans (triton_fallback/_plan.py, hkernels/functional/_base.py): a call whose signature was seen before replays what
+"""Plans (hkernels/runtime/plan.py, hkernels/functional/_base.py): a call whose signature was seen before replays what
 the first call recorded, or takes the one-step fast path built from it. Either must give bitwise what the first
 call gave, forward and every gradient, with and without a gradient wanted, on 2-d and 3-d inputs; and a call whose
 signature differs in anything a plan depends on (alignment, strides, grad mode) must not reuse another's plan."""

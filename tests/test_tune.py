@@ -86,10 +86,11 @@ def test_tune_rejects_bad_arguments(capsys):
 def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, monkeypatch):
     """The lookup the Triton launchers make (no GPU needed: the arch is stubbed): an entry applies to its row
     length only, on its arch only, and a row-settings entry whose block does not fit the row is ignored."""
+    from hkernels.runtime import device as runtime_device
     from triton_fallback import _common
 
     monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm90")
+    monkeypatch.setattr(runtime_device, "_cuda_arch", lambda index: "sm90")
     folder = tmp_path / "triton" / "sm90"
     folder.mkdir(parents=True)
     (folder / "rope.json").write_text(json.dumps(
@@ -105,7 +106,7 @@ def test_tuned_triton_settings_are_read_for_their_arch_and_row_length(tmp_path, 
         assert _common.tuned_settings("rope", 128, torch.device("cpu")) is None
         assert _common.tuned_row_settings("softmax", 4096, gpu) == _common.RowSettings(**row)
         assert _common.tuned_row_settings("softmax", 300, gpu) is None  # a 4096-wide block for 300: stale
-        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm100")
+        monkeypatch.setattr(runtime_device, "_cuda_arch", lambda index: "sm100")
         configs.reload()
         assert _common.tuned_settings("rope", 128, gpu) is None  # tuned on another arch
     finally:

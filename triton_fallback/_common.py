@@ -7,65 +7,18 @@ twice (the second read often hits L2).
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from triton_fallback._interpret import interpreting  # (the kernel modules import it from here)
+from hkernels.runtime.device import cache_dir, cuda_arch, memo, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
 
 # Elements per row up to which a row stays in registers.
 MAX_RESIDENT_FWD = 32768
 MAX_RESIDENT_BWD = 8192
-
-
-def cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉ on the host. (``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: ~1-3 µs a call
-    from Python, and a launch computes a dozen of them.)"""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two ≥ n (1 for n ≤ 1), on the host."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def cache_dir() -> Path:
-    """The user cache the tune command writes to: ``HKERNELS_CACHE_DIR``, else ``$XDG_CACHE_HOME/hkernels``, else
-    ``~/.cache/hkernels`` (``hkernels.configs`` reads it through here: this package imports nothing above it)."""
-    explicit = os.environ.get("HKERNELS_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hkernels"
-
-
-@functools.lru_cache(maxsize=8)
-def _cuda_arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
-def cuda_arch(device: torch.device) -> str:
-    """``sm<major><minor>`` of a CUDA device."""
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (the one place that asks CUDA); a small stand-in on CPU (interpret mode),
-    where it only shapes grids."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass(frozen=True)
@@ -80,25 +33,6 @@ class RowSettings:
 
 # Settings the tune command is trying right now, by (op, "fwd"): they win over everything while it measures.
 searching: dict[tuple[str, str], Any] = {}
-
-
-# Host-side memos of launch settings (a decode-size call's host work is what its caller waits for): cleared together
-# by hkernels.configs.reload when the tables change.
-_MEMOS: list[Any] = []
-
-
-def memo(maxsize: int) -> Any:
-    """``functools.lru_cache(maxsize)``, registered so that :func:`clear_memos` clears it."""
-    def wrap(fn: Any) -> Any:
-        cached = functools.lru_cache(maxsize=maxsize)(fn)
-        _MEMOS.append(cached)
-        return cached
-    return wrap
-
-
-def clear_memos() -> None:
-    for cached in _MEMOS:
-        cached.cache_clear()
 
 
 @memo(16)

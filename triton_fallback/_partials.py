@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv
+from hkernels.runtime.launch import Bound
 
 Tensor = torch.Tensor
 

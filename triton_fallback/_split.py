@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, interpreting, num_sms
+from hkernels.runtime.device import cdiv, num_sms
+from hkernels.runtime.interpret import interpreting
 
 EMPTY = -1  # an unpublished slot: every bit set (its high half is a NaN that publish never writes)
 

@@ -33,7 +33,7 @@ def add_rms_norm_bwd(
     return rms_norm.bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 add_rms_norm_fwd.bind = (  # type: ignore[attr-defined]
     lambda x, residual, weight, eps, stats=True: rms_norm.bind_fwd(x, residual, weight, stats))
 add_rms_norm_bwd.bind = rms_norm.bind_bwd  # type: ignore[attr-defined]

@@ -37,9 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback import _launch
-from triton_fallback._common import cdiv, interpreting
-from triton_fallback._launch import launch
+from hkernels.runtime import launch as _launch
+from hkernels.runtime.device import cdiv
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import launch
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import interpreting, next_pow2, persistent_programs, tuned_settings
-from triton_fallback._launch import launch
+from hkernels.runtime.device import next_pow2
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import launch
+from triton_fallback._common import persistent_programs, tuned_settings
 
 Tensor = torch.Tensor
 # exp(x) as exp2(x·log2 e): the flush-to-zero ex2, fewer instructions than tl.exp's

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound
 
 Tensor = torch.Tensor
 
@@ -291,5 +292,5 @@ def _bind(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, sc
     return run
 
 
-# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binder (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 decode_attention_fwd.bind = _bind  # type: ignore[attr-defined]

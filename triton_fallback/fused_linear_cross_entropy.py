@@ -1,10 +1,11 @@
 """Linear + cross-entropy, chunked over tokens, with the hand-written Triton cross-entropy kernel: the twin of
-``hkernels/ops/fused_linear_cross_entropy.py`` (the math and the chunk loop: ``triton_fallback/_chunked.py``).
+``hkernels/ops/fused_linear_cross_entropy.py`` (the math and the chunk loop: ``hkernels/runtime/chunked.py``).
 """
 
 from __future__ import annotations
 
-from triton_fallback import _chunked, cross_entropy
+from hkernels.runtime import chunked as _chunked
+from triton_fallback import cross_entropy
 
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(cross_entropy)
 

@@ -121,6 +121,6 @@ def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Callabl
                           FAST_CDF=gate.dtype != torch.float32)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 geglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 geglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_fallback._common import cdiv, interpreting, num_sms
-from triton_fallback._launch import aligned, descriptors_ok, launch
-from triton_fallback._routing import group_ends, tile_ends
+from hkernels.runtime.device import cdiv, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import aligned, descriptors_ok, launch
+from hkernels.runtime.routing import group_ends, tile_ends
 
 Tensor = torch.Tensor
 

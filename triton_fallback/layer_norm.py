@@ -15,14 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import (
-    MAX_RESIDENT_BWD,
-    cdiv,
-    persistent_bwd_settings,
-    persistent_programs,
-    row_settings,
-)
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv
+from hkernels.runtime.launch import Bound
+from triton_fallback._common import MAX_RESIDENT_BWD, persistent_bwd_settings, persistent_programs, row_settings
 from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
@@ -314,6 +309,6 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
     return run
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 layer_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 layer_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms, tile_class
-from triton_fallback._launch import Bound, aligned, descriptors_ok, launch
+from hkernels.runtime.device import cdiv, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound, aligned, descriptors_ok, launch
+from triton_fallback._common import tile_class
 from triton_fallback.geglu import _normal_cdf_fast
 from triton_fallback.swiglu import _tile, launch_settings
 
@@ -419,7 +421,7 @@ def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None,
     return run
 
 
-# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binder (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 matmul_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 
 

@@ -28,10 +28,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from triton_fallback import _plan
-from triton_fallback._common import cdiv, interpreting, num_sms
-from triton_fallback._launch import launch
-from triton_fallback._routing import ROUTE_MAX, routing, tile_ends
+from hkernels.runtime import plan as _plan
+from hkernels.runtime.device import cdiv, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import launch
+from hkernels.runtime.routing import ROUTE_MAX, routing, tile_ends
 from triton_fallback.grouped_matmul import (
     _pair_tile,
     _settings,
@@ -196,7 +197,7 @@ def _moe_combine_kernel(
 @triton.jit
 def _moe_route_kernel(
     ids_ptr,  # [N] the experts chosen, flat (N = T·k)
-    src_ptr, order_ptr, pos_ptr,  # [N] int32 out each (triton_fallback/_routing.py)
+    src_ptr, order_ptr, pos_ptr,  # [N] int32 out each (hkernels/runtime/routing.py)
     ends_ptr, tile_ends_ptr,  # [E + 1] int32 out each: ends, and the schedule's tile_ends (row tiles of BLOCK_M)
     N, E, K,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -232,7 +233,7 @@ def _moe_route_kernel(
 
 
 def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`triton_fallback._routing.routing`'s (src, order, pos, ends) and the schedule's tile_ends for row
+    """:func:`hkernels.runtime.routing.routing`'s (src, order, pos, ends) and the schedule's tile_ends for row
     tiles of block_m: one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
     than the experts' kernels), torch.sort past it."""
     n = topk_ids.numel()
@@ -282,7 +283,7 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T, H] (unit stride along H), gate_up [E, 2I, H], down [E, H, I] (any strides), topk_ids [T, k] integer,
     topk_weights [T, k] -> (out [T, H], pre [T·k, 2I] (empty unless save), and the routing src, order, pos, ends
-    (triton_fallback/_routing.py)): pre and the routing are what the backward reads."""
+    (hkernels/runtime/routing.py)): pre and the routing are what the backward reads."""
     T, H = x.shape
     E, I2, _ = gate_up.shape
     I = I2 // 2  # noqa: E741

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound
 
 # The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py):
 # block sizes from the head dim alone, grids and the backward's chunks from the sizes through sym-safe arithmetic.
@@ -235,6 +236,6 @@ def qk_norm_rope_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_wei
     return _bind_bwd(*args)(*args)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 qk_norm_rope_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 qk_norm_rope_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

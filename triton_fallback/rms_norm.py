@@ -14,14 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import (
-    MAX_RESIDENT_BWD,
-    cdiv,
-    persistent_bwd_settings,
-    persistent_programs,
-    row_settings,
-)
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv
+from hkernels.runtime.launch import Bound
+from triton_fallback._common import MAX_RESIDENT_BWD, persistent_bwd_settings, persistent_programs, row_settings
 from triton_fallback._partials import bind_sum_partials
 
 Tensor = torch.Tensor
@@ -213,7 +208,7 @@ def _bind_rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tenso
     return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 rms_norm_fwd.bind = lambda x, weight, eps, stats=True: bind_fwd(x, None, weight, stats)  # type: ignore[attr-defined]
 rms_norm_bwd.bind = _bind_rms_norm_bwd  # type: ignore[attr-defined]
 

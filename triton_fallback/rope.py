@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, interpreting, memo, next_pow2, num_sms, searching, tuned_settings
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv, memo, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound
+from triton_fallback._common import searching, tuned_settings
 
 # The custom ops whose launches these host functions record at a symbolic length (see triton_fallback/rms_norm.py).
 SYMBOLIC = frozenset({"rope_fwd", "rope_bwd"})
@@ -183,6 +185,6 @@ def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[
     return _bind(dq_rot, dk_rot, cos, sin, backward=True)(dq_rot, dk_rot, cos, sin)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 rope_fwd.bind = lambda q, k, cos, sin: _bind(q, k, cos, sin, False)  # type: ignore[attr-defined]
 rope_bwd.bind = lambda dq, dk, cos, sin: _bind(dq, dk, cos, sin, True)  # type: ignore[attr-defined]

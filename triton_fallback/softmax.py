@@ -12,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hkernels.runtime.device import cdiv, next_pow2
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound
 from triton_fallback import _split
-from triton_fallback._common import RowSettings, cdiv, interpreting, next_pow2, row_settings
-from triton_fallback._launch import Bound
+from triton_fallback._common import RowSettings, row_settings
 
 Tensor = torch.Tensor
 
@@ -212,6 +214,6 @@ def _bind_bwd(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Callable
     return run_split
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 softmax_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 softmax_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_fallback._common import cdiv, interpreting, next_pow2, num_sms
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import cdiv, next_pow2, num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import Bound
 
 Tensor = torch.Tensor
 
@@ -158,7 +159,7 @@ def bind_gated_bwd(kernel: Any, dy: Tensor, gate: Tensor, up: Tensor, scalars: t
     return run
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 swiglu_fwd.bind = lambda gate, up, alpha=1.0, beta=1.0: bind_gated(  # type: ignore[attr-defined]
     _swiglu_fwd_kernel, gate, up, scalars=(alpha, beta))
 swiglu_bwd.bind = lambda dy, gate, up, alpha=1.0, beta=1.0: bind_gated_bwd(  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from importlib import resources
 from typing import Any
 
 # The user cache and a device's arch live at the bottom of the import order, where the Triton launchers read them too.
-from triton_fallback._common import cache_dir, cuda_arch
+from hkernels.runtime.device import cache_dir, clear_memos, cuda_arch
 
 __all__ = ["DEFAULT_ARCH", "auto_table", "cache_dir", "cuda_arch", "helion_table", "on_reload", "reload"]
 
@@ -90,9 +90,7 @@ def reload() -> None:
     auto_table.cache_clear()
     for hook in _reload_hooks:
         hook()
-    common = sys.modules.get("triton_fallback._common")
-    if common is not None:
-        common.clear_memos()
+    clear_memos()
     helion_runner = sys.modules.get("hkernels.ops._helion")
     if helion_runner is not None:  # configs chosen and kernels compiled from the old tables
         helion_runner._config.cache_clear()

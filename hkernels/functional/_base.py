@@ -5,7 +5,7 @@ A public call ``hkernels.<op>(...)`` runs through :class:`Public`:
 - in a plain eager call (no ``torch.compile``, functorch transform, dispatch or function mode, jit tracing or
   tensor subclass) it computes one key of the call's signature: the backend request, grad mode, autocast's state,
   and per argument its dtype, shape, strides, pointer alignment, device and requires_grad (a scalar: its value).
-  The first call of a key checks the arguments and records a plan (``triton_fallback/_plan.py``): which path each
+  The first call of a key checks the arguments and records a plan (``hkernels/runtime/plan.py``): which path each
   custom op took, which backend each kernel function ran on (bound to the signature where the backend offers a
   binder), which compiled kernel each launch used. Later calls of the key skip the checks (they are properties of
   the signature) and replay the plan: the op's Python runs, its lookups do not. A row op also builds, from its
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from triton_fallback import _interpret, _plan
+from hkernels.runtime import interpret as _interpret
+from hkernels.runtime import plan as _plan
 
 Tensor = torch.Tensor
 FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -538,7 +539,7 @@ def _op_of(name: str, args: tuple[Any, ...]) -> str:
 def traced(opdef: Any) -> None:
     """Make ``opdef`` visible to torch.compile, as ``torch.library.triton_op`` does: when AOTAutograd traces it
     (FunctionalTensorMode), its Python body is traced in its place, so the compiled graph holds what the body
-    does: the backend kernels' launches recorded by ``torch.library.wrap_triton`` (``triton_fallback/_launch.py``),
+    does: the backend kernels' launches recorded by ``torch.library.wrap_triton`` (``hkernels/runtime/launch.py``),
     which Inductor's generated code launches itself, or, on the torch backend, the reference math, which Inductor
     generates and fuses with its neighbours. The backend is chosen when the graph is traced
     (:func:`hkernels.dispatch.select_compiled`). The op stays opaque (its body called back at run time) under

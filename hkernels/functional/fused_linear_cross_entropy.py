@@ -2,7 +2,7 @@
 
 The public function and its checks, its autograd (custom ops ``hkernels::fused_linear_cross_entropy_fwd`` and
 ``_grad``), then the reference math and the torch backend. The chunk loop every backend shares is
-``triton_fallback/_chunked.py``; the backends supply the cross-entropy kernel (``hkernels/ops/cross_entropy.py``,
+``hkernels/runtime/chunked.py``; the backends supply the cross-entropy kernel (``hkernels/ops/cross_entropy.py``,
 ``triton_fallback/cross_entropy.py``).
 """
 
@@ -40,7 +40,7 @@ from hkernels.functional.cross_entropy import (
     stats_like,
 )
 from hkernels.functional.cross_entropy import reference as cross_entropy_reference
-from triton_fallback import _chunked
+from hkernels.runtime import chunked as _chunked
 
 OP = "fused_linear_cross_entropy"
 

@@ -2,7 +2,7 @@
 
 The public function and its checks, its autograd (custom ops ``hkernels::moe_fwd`` and ``_bwd``), then the
 reference math and the torch backend. Kernels: ``hkernels/ops/moe.py`` (Helion), ``triton_fallback/moe.py`` (whose
-docstring gives the forward and backward math); routing: ``triton_fallback/_routing.py``.
+docstring gives the forward and backward math); routing: ``hkernels/runtime/routing.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hkernels.functional._base import (
     wants_grad,
 )
 from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes
-from triton_fallback._routing import routing
+from hkernels.runtime.routing import routing
 
 OP = "moe"
 _INT = (torch.int32, torch.int64)

@@ -18,10 +18,12 @@ from typing import Any
 import helion
 import torch
 
-from hkernels import _interpret, configs
-from triton_fallback import _plan
-from triton_fallback._common import interpreting, num_sms
-from triton_fallback._launch import bound_launcher, helion_launcher, interpreted
+from hkernels import configs
+from hkernels.runtime import interpret as _interpret
+from hkernels.runtime import plan as _plan
+from hkernels.runtime.device import num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import bound_launcher, helion_launcher, interpreted
 
 _interpret.prepare_helion()  # interpret mode: Helion's generated code mended for Triton's interpreter
 
@@ -124,7 +126,7 @@ def record() -> Iterator[list[tuple[Any, tuple[Any, ...], int]]]:
 
 def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it. Inside a replayed
-    plan (``triton_fallback/_plan.py``) the compiled function is the one the plan recorded: no key is built."""
+    plan (``hkernels/runtime/plan.py``) the compiled function is the one the plan recorded: no key is built."""
     fn = _plan.recall(kernel)
     if fn is None:
         if _recording is not None:
@@ -133,7 +135,7 @@ def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.devi
         _plan.keep(kernel, fn)
     if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
         return fn(*args, _launcher=helion_launcher)
-    with interpreted():  # interpret mode: one interpreted kernel at a time (see triton_fallback/_launch.py)
+    with interpreted():  # interpret mode: one interpreted kernel at a time (see hkernels/runtime/launch.py)
         return fn(*args)
 
 

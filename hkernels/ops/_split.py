@@ -20,8 +20,8 @@ import helion
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._common import next_pow2
-from triton_fallback._launch import Bound
+from hkernels.runtime.device import next_pow2
+from hkernels.runtime.launch import Bound
 from triton_fallback._split import cooperative, split_grid
 
 # What Helion's autotuner must keep (``autotune_config_overrides`` of each split kernel):
@@ -62,7 +62,7 @@ def walk(kernel: helion.Kernel, rows: int, n: int, device: torch.device, dtype: 
 
 def bound_launcher(per_sm: int) -> Any:
     """Helion's ``_launcher`` for a split kernel of one bound call signature (a binder's), at most ``per_sm``
-    programs per multiprocessor: each Triton kernel is launched as a :class:`~triton_fallback._launch.Bound`
+    programs per multiprocessor: each Triton kernel is launched as a :class:`~hkernels.runtime.launch.Bound`
     (straight to the compiled kernel after its first launch) with the split-row launch options on a GPU (a
     cooperative grid, so that a grid that cannot be co-resident fails to launch instead of hanging, and registers
     capped so that ``per_sm`` programs fit; Helion 1.5.0 configs can ask for neither with one program per pid)."""

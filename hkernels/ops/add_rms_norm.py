@@ -106,6 +106,6 @@ def _bind_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, r
     return rms_norm.bind_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 add_rms_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 add_rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

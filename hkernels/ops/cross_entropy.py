@@ -24,7 +24,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._launch import same_memory
+from hkernels.runtime.launch import same_memory
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634

@@ -3,12 +3,12 @@
 
 For each chunk of tokens, PyTorch's matmuls make the logits chunk, the backend's cross-entropy kernel reads it and
 writes the logits' gradient over it, and PyTorch's matmuls turn that into the gradients of hidden, weight and bias:
-the loop every backend shares is ``triton_fallback/_chunked.py``. Only one chunk's logits exist at a time.
+the loop every backend shares is ``hkernels/runtime/chunked.py``. Only one chunk's logits exist at a time.
 """
 
 from __future__ import annotations
 
 from hkernels.ops import cross_entropy
-from triton_fallback import _chunked
+from hkernels.runtime import chunked as _chunked
 
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(cross_entropy)

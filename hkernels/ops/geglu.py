@@ -131,6 +131,6 @@ def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Callabl
     return lambda dy, gate, up, approximate: run(dy, gate, up, *flags)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 geglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 geglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._routing import bounds, group_ends
+from hkernels.runtime.routing import bounds, group_ends
 
 Tensor = torch.Tensor
 
@@ -57,7 +57,7 @@ def _grouped_matmul_dweight(dy: Tensor, x: Tensor, starts: Tensor, ends: Tensor,
 
 
 def _groups(group_sizes: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(starts, ends, tails) [E] int32 on the device (triton_fallback/_routing.py's bounds)."""
+    """(starts, ends, tails) [E] int32 on the device (hkernels/runtime/routing.py's bounds)."""
     return bounds(group_ends(group_sizes, T))
 
 

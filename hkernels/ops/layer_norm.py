@@ -261,6 +261,6 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
     return run
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 layer_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 layer_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -51,8 +51,10 @@ from hkernels.functional.matmul import activate
 from hkernels.ops import _helion
 from hkernels.ops.swiglu import bind as bind_elementwise
 from hkernels.ops.swiglu import int64_twin
-from triton_fallback._common import interpreting, num_sms, tile_class
-from triton_fallback._launch import aligned, descriptors_ok
+from hkernels.runtime.device import num_sms
+from hkernels.runtime.interpret import interpreting
+from hkernels.runtime.launch import aligned, descriptors_ok
+from triton_fallback._common import tile_class
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -341,7 +343,7 @@ def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None,
     return run
 
 
-# Binder (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binder (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 matmul_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hkernels.ops import _helion
 from hkernels.ops.grouped_matmul import _grouped_matmul_fwd
-from triton_fallback._routing import ROUTE_MAX, bounds, routing
+from hkernels.runtime.routing import ROUTE_MAX, bounds, routing
 
 Tensor = torch.Tensor
 
@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 @helion.kernel(static_shapes=False)
 def _moe_route(ids: Tensor, src: Tensor, order: Tensor, pos: Tensor, starts: Tensor, ends: Tensor, tails: Tensor,
                k: int) -> None:
-    # ids [N] the experts chosen, flat (N = T·k); src, order, pos [N] int32 out (triton_fallback/_routing.py);
+    # ids [N] the experts chosen, flat (N = T·k); src, order, pos [N] int32 out (hkernels/runtime/routing.py);
     # starts, ends, tails [E + 1] int32 out: each group's rows, the rows past the last group in tails[E − 1] (its
     # bounds(), the first E entries), and ends[E] = N. A stable sort by counting: a slot's sorted row is the number
     # of slots whose key (its id, or E for an id outside [0, E)) is smaller, or equal at an earlier slot. For the
@@ -61,7 +61,7 @@ def _moe_route(ids: Tensor, src: Tensor, order: Tensor, pos: Tensor, starts: Ten
 
 
 def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(src, order, pos, ends [E + 1]) of triton_fallback/_routing.py's routing and its bounds (starts, ends,
+    """(src, order, pos, ends [E + 1]) of hkernels/runtime/routing.py's routing and its bounds (starts, ends,
     tails [E]): one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
     than the experts' kernels), torch.sort past it."""
     n = topk_ids.numel()

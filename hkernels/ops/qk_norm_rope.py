@@ -23,7 +23,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._common import cdiv, num_sms
+from hkernels.runtime.device import cdiv, num_sms
 from triton_fallback.qk_norm_rope import outputs
 
 Tensor = torch.Tensor
@@ -192,6 +192,6 @@ def qk_norm_rope_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_wei
     return _bind_bwd(*args)(*args)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 qk_norm_rope_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 qk_norm_rope_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

@@ -156,7 +156,7 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Cal
     return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 rms_norm_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]
 

@@ -29,7 +29,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from triton_fallback._launch import bound_launcher
+from hkernels.runtime.launch import bound_launcher
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
@@ -180,6 +180,6 @@ def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[
     return _bind(dq_rot, dk_rot, cos, sin, True)(dq_rot, dk_rot, cos, sin)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 rope_fwd.bind = lambda q, k, cos, sin: _bind(q, k, cos, sin, False)  # type: ignore[attr-defined]
 rope_bwd.bind = lambda dq, dk, cos, sin: _bind(dq, dk, cos, sin, True)  # type: ignore[attr-defined]

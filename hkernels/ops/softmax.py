@@ -200,6 +200,6 @@ def _bind_bwd(dy: Tensor, y: Tensor, out: torch.dtype | None = None) -> Callable
     return lambda dy, y, out=None: fn(dy, y, like, programs, lag, block, _launcher=split_launcher)
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 softmax_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 softmax_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

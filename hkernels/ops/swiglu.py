@@ -109,6 +109,6 @@ def _bind_bwd(dy: Tensor, gate: Tensor, up: Tensor, alpha: float = 1.0, beta: fl
     return lambda dy, gate, up, alpha=1.0, beta=1.0: run(dy, gate, up, float(alpha), float(beta))
 
 
-# Binders (see triton_fallback/_plan.py): the same function for every call of one signature, set up once.
+# Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 swiglu_fwd.bind = _bind_fwd  # type: ignore[attr-defined]
 swiglu_bwd.bind = _bind_bwd  # type: ignore[attr-defined]

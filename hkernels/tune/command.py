@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from hkernels import _interpret, configs
+from hkernels import configs
+from hkernels.runtime import interpret as _interpret
 from hkernels.tune import auto, helion_configs, say, triton_settings  # helion_configs sets Helion's defaults
 from hkernels.tune.cases import OP_OF, Case
 

@@ -56,7 +56,7 @@ _cursor = _Cursor()
 
 # Above 0 while a custom op's body is traced into a compiled graph (hkernels' decomposition under torch.compile,
 # ``hkernels/functional/_base.py``): every launch is then recorded as Triton's kernel higher-order op
-# (``triton_fallback/_launch.py``), which Inductor's generated code launches itself, and no plan is recorded or
+# (``hkernels/runtime/launch.py``), which Inductor's generated code launches itself, and no plan is recorded or
 # replayed (a traced call's shapes may be symbolic).
 TRACING = 0
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from triton_fallback import _interpret, _plan
+from hkernels.runtime import interpret as _interpret
+from hkernels.runtime import plan as _plan
 
 _I32 = 2**31
 _I64 = 2**63
@@ -205,7 +206,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, with Triton's per-call binding skipped after the first call for a key.
     Runtime (non-constexpr) arguments must come by position; constexprs and launch options by keyword.
 
-    Inside a replayed plan (``triton_fallback/_plan.py``) the compiled kernel is the one the plan recorded for
+    Inside a replayed plan (``hkernels/runtime/plan.py``) the compiled kernel is the one the plan recorded for
     this launch: no key is built at all."""
     if _plan.TRACING:
         traced(kernel, grid, args, meta)
