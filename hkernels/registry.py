@@ -12,9 +12,14 @@ Adding an op: ``hkernels/functional/<op>.py``, ``hkernels/ops/<op>.py``, ``trito
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import sys
 import threading
+import types
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 BACKENDS: tuple[str, ...] = ("helion", "triton", "torch")
 
@@ -80,6 +85,40 @@ def prepare() -> None:
             _prepared = True
 
 
+def _import_helion() -> None:
+    """Import Helion, without the scikit-learn its surrogate autotuners import at module level (about 1 s of
+    Helion's import, which a first call waits for; the library never autotunes at call time). While Helion imports,
+    ``sklearn.ensemble`` is a stand-in whose model classes import the real one when an autotuner first builds a
+    model (``python -m hkernels.tune``, or the caller's own Helion autotuning), so autotuning works as before; the
+    stand-in leaves ``sys.modules`` once Helion is imported. Where scikit-learn is not installed, or already
+    imported, or Helion is, a plain import."""
+    if "helion" in sys.modules or "sklearn" in sys.modules or importlib.util.find_spec("sklearn") is None:
+        import helion
+        return
+    package, ensemble = types.ModuleType("sklearn"), types.ModuleType("sklearn.ensemble")
+    for module in (package, ensemble):
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
+    for name in ("RandomForestClassifier", "RandomForestRegressor"):
+        setattr(ensemble, name, _on_first_use(name))
+    package.ensemble = ensemble  # type: ignore[attr-defined]
+    sys.modules["sklearn"], sys.modules["sklearn.ensemble"] = package, ensemble
+    try:
+        import helion  # noqa: F401
+    finally:
+        for module in (package, ensemble):
+            if sys.modules.get(module.__name__) is module:
+                del sys.modules[module.__name__]
+
+
+def _on_first_use(name: str) -> type:
+    """A stand-in for ``sklearn.ensemble.<name>``: constructing it constructs the real class."""
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        real = importlib.import_module("sklearn.ensemble")
+        return getattr(real, name)(*args, **kwargs)
+
+    return type(name, (), {"__new__": __new__, "__module__": "sklearn.ensemble"})
+
+
 def load(op: str, backend: str) -> ModuleType | str:
     """``op``'s module on ``backend``, or the reason it cannot be imported here."""
     key = (op, backend)
@@ -88,6 +127,7 @@ def load(op: str, backend: str) -> ModuleType | str:
         with _import_lock:
             if backend == "helion":
                 prepare()
+                _import_helion()
             found = _loaded.get(key)
             if found is None:
                 try:

@@ -71,6 +71,29 @@ def test_a_plain_call_imports_no_compiler_and_no_kernel_backend():
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_loading_a_helion_kernel_leaves_scikit_learn_for_the_autotuner():
+    """The first call routed to Helion imports Helion without scikit-learn (which its surrogate autotuners import at
+    module level, a second of a first call), and autotuning still finds it: Helion's model classes build the real
+    scikit-learn models, and a later ``import sklearn`` is the real package."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("scikit-learn is not installed here (Helion is then imported as it is)")
+    code = ("import sys, hkernels\n"
+            "from hkernels import registry\n"
+            "assert not isinstance(registry.load('rms_norm', 'helion'), str)\n"
+            "print('helion' in sys.modules, 'sklearn' in sys.modules)\n"
+            "from helion.autotuner import de_surrogate_hybrid, surrogate_pattern_search as s\n"
+            "model = s.RandomForestClassifier(n_estimators=2)\n"
+            "print(s.HAS_ML_DEPS, de_surrogate_hybrid.HAS_ML_DEPS, type(model).__module__)\n"
+            "import sklearn.ensemble\n"
+            "print(type(model) is sklearn.ensemble.RandomForestClassifier)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True", "True", "sklearn.ensemble._forest", "True"], done.stdout
+
+
 def test_backends_rejects_unknown_op():
     with pytest.raises(ValueError, match=r"unknown op 'gelu'.*layer_norm, matmul, moe, qk_norm_rope, rms_norm, rope, "
                                          r"softmax, swiglu"):
