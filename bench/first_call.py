@@ -4,7 +4,8 @@ For each op x dtype x backend a new Python process, with empty private cache fol
 Helion, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on the host clock
 with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds to import),
 the first forward call (tracing, code generation, compiling), the first backward call, then a second (warm)
-forward and backward. That is what a user pays on a machine that has never run hkernels. Rows whose first
+forward and backward. That is what a user pays on a machine that has never run hkernels; with --warm each case
+runs again in a second fresh process on the caches the first left (a restarted server). Rows whose first
 forward or backward takes over --slow seconds are flagged. A process that fails or outlives --timeout gives a row
 with its error. Writes results.json and table.txt in --out. On a CPU (HKERNELS_INTERPRET=1, --quick) it runs as a
 check of the command: interpreted kernels compile nothing, so the times measure nothing.
@@ -59,6 +60,7 @@ class Result:
     warm_bwd_ms: float | None = None
     process_s: float | None = None  # the whole subprocess, Python start-up included
     error: str = ""
+    caches: str = "empty"  # "empty", or "warm": the compilers' caches as an earlier process of the case left them
 
     def slowest(self) -> float:
         return max(self.fwd_s or 0, self.bwd_s or 0)
@@ -136,35 +138,47 @@ def _child_main(spec_text: str) -> int:
     return 1 if "error" in out else 0
 
 
-def run_one(op: str, dtype: str, backend: str, shape: tuple[int, int, int], timeout: float) -> Result:
-    """One fresh subprocess with empty private caches; its result line, or its error, as a Result."""
-    row = Result(op, dtype, backend, "x".join(str(s) for s in shape if s))
+def run_one(op: str, dtype: str, backend: str, shape: tuple[int, int, int], timeout: float,
+            warm: bool = False) -> list[Result]:
+    """One fresh subprocess with empty private caches; its result line, or its error, as a Result. ``warm``: then a
+    second fresh process on the caches the first filled (what a server restarted on the same machine pays), as a
+    second Result."""
     spec = json.dumps({"op": op, "dtype": dtype, "backend": backend, "shape": list(shape)})
+    rows = []
     with tempfile.TemporaryDirectory(prefix="hkernels-first-call-") as root:
         env = dict(os.environ)
         for var, sub in CACHE_VARS.items():
             env[var] = str(Path(root) / sub)
             Path(env[var]).mkdir()
         env.pop("HELION_REMOTE_CACHE_BACKEND", None)  # a shared remote cache would make the first call warm
-        t0 = time.perf_counter()
-        # Its own session: on a timeout the compile workers it started go with it.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench", "first-call", "--child", spec],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            row.error, row.process_s = f"timed out after {timeout:.0f} s", timeout
-            return row
-        row.process_s = time.perf_counter() - t0
+        for caches in ("empty", "warm") if warm else ("empty",):
+            row = Result(op, dtype, backend, "x".join(str(s) for s in shape if s), caches=caches)
+            rows.append(_spawn(spec, env, timeout, row))
+            if row.error:
+                break
+    return rows
+
+
+def _spawn(spec: str, env: dict[str, str], timeout: float, row: Result) -> Result:
+    t0 = time.perf_counter()
+    # Its own session: on a timeout the compile workers it started go with it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench", "first-call", "--child", spec],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        row.error, row.process_s = f"timed out after {timeout:.0f} s", timeout
+        return row
+    row.process_s = time.perf_counter() - t0
     lines = [line for line in stdout.splitlines() if line.startswith(MARK)]
     if not lines:
         tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or [f"exit status {proc.returncode}"]
@@ -181,12 +195,13 @@ def _f(v: float | None, spec: str) -> str:
 
 def table(rows: list[Result], slow: float) -> str:
     head = (
-        f"{'op':<27} {'shape':<15} {'dtype':<9} {'backend':<8} {'import s':>8} {'backend s':>9} {'first fwd s':>11} "
+        f"{'op':<27} {'shape':<15} {'dtype':<9} {'backend':<8} {'caches':<6} {'import s':>8} {'backend s':>9} "
+        f"{'first fwd s':>11} "
         f"{'first bwd s':>11} {'warm fwd ms':>11} {'warm bwd ms':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        what = f"{r.op:<27} {r.shape:<15} {r.dtype:<9} {r.backend:<8}"
+        what = f"{r.op:<27} {r.shape:<15} {r.dtype:<9} {r.backend:<8} {r.caches:<6}"
         if r.error and r.fwd_s is None:
             lines.append(f"{what} failed: {r.error[:90]}")
             continue
@@ -201,7 +216,7 @@ def table(rows: list[Result], slow: float) -> str:
 
 
 def _line(r: Result, slow: float) -> str:
-    what = f"{r.op} {r.dtype} {r.backend}"
+    what = f"{r.op} {r.dtype} {r.backend}" + (" (warm caches)" if r.caches == "warm" else "")
     if r.error and r.fwd_s is None:
         return f"{what}: failed: {r.error[:120]}"
     text = f"{what}: fwd {r.fwd_s:.1f} s" + (f", bwd {r.bwd_s:.1f} s" if r.bwd_s is not None else "")
@@ -220,6 +235,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes (the only choice on a CPU, in interpret mode)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one subprocess may take")
     p.add_argument("--slow", type=float, default=3.0, help="flag first calls slower than this many seconds")
+    p.add_argument("--warm", action="store_true",
+                   help="each case twice: with empty caches, then a second fresh process on the caches the first left")
     p.add_argument("--jobs", type=int, default=1, help="subprocesses at once (more contend for the CPU that compiles)")
     p.add_argument("--out", type=Path, default=None,
                    help="where to write (default: bench/results/<gpu>/first_call; on a CPU, "
@@ -269,25 +286,27 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         jobs=args.jobs,
         caches=sorted(CACHE_VARS),
+        warm=args.warm,
     )
 
     todo = [(op, dt, b, shape_for(op, args.quick, device)) for op in ops for dt in dtypes for b in backends]
-    rows: list[Result | None] = [None] * len(todo)
+    rows: list[list[Result] | None] = [None] * len(todo)
     done = 0
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_one, *job, args.timeout): i for i, job in enumerate(todo)}
+        futures = {pool.submit(run_one, *job, args.timeout, args.warm): i for i, job in enumerate(todo)}
         for future in as_completed(futures):
             try:
-                row = future.result()
+                case = future.result()
             except Exception as e:  # this harness's own failure on one row: keep the others
                 op, dt, b, shape = todo[futures[future]]
-                row = Result(op, dt, b, "x".join(str(s) for s in shape if s), error=f"{type(e).__name__}: {e}")
-            rows[futures[future]] = row
+                case = [Result(op, dt, b, "x".join(str(s) for s in shape if s), error=f"{type(e).__name__}: {e}")]
+            rows[futures[future]] = case
             done += 1
-            print(f"[{done}/{len(todo)}] {_line(row, args.slow)}", file=sys.stderr, flush=True)
-            _write(out, [r for r in rows if r is not None], env, args.slow)  # an interrupted run keeps its rows
+            for row in case:
+                print(f"[{done}/{len(todo)}] {_line(row, args.slow)}", file=sys.stderr, flush=True)
+            _write(out, [r for c in rows if c is not None for r in c], env, args.slow)  # an interrupted run keeps them
 
-    finished = [r for r in rows if r is not None]
+    finished = [r for c in rows if c is not None for r in c]
     print(f"\nresults in {out}/ (results.json, table.txt)\n")
     print(table(finished, args.slow))
     slow = [r for r in finished if r.slowest() > args.slow]
