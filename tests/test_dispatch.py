@@ -649,7 +649,13 @@ def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, de
     calls.clear()
     with hkernels.use_backend("torch"):
         hkernels.grouped_matmul(make(5, 12), make(2, 8, 12), sizes[:2])
-    assert calls == []  # K = 12: not a multiple of 8
+        padded = make(20, 24)[:, :16]  # rows 24 elements apart: a multiple of 8, taken
+        hkernels.grouped_matmul(padded, w.detach(), sizes)
+        assert len(calls) == 1
+        odd = make(20, 20)[:, :16]  # rows 20 elements apart (40 bytes): not taken, and not tried
+        torch.testing.assert_close(hkernels.grouped_matmul(odd, w.detach(), sizes).double(),
+                                   gm.reference(odd.double(), w.detach().double(), sizes), atol=5e-2, rtol=2e-2)
+    assert len(calls) == 1 and not gm._GROUPED_MM_REFUSED  # K = 12 and the odd row stride: the loop
 
     def fails(*args, **kwargs):
         raise RuntimeError("no grouped GEMM for this device")
@@ -659,6 +665,19 @@ def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, de
         again = hkernels.grouped_matmul(x.detach(), w.detach(), sizes)
     torch.testing.assert_close(again.double(), want, atol=5e-2, rtol=2e-2)
     assert device.type in gm._GROUPED_MM_REFUSED
+
+
+def test_torch_backend_attention_on_an_empty_batch(device):
+    """An empty batch on the torch backend: empty results and gradients, not a fused kernel's None (cuDNN's checks
+    take B = 0, and its kernel then returns no tensors)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(0, 4, 64, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with hkernels.use_backend("torch"):
+        for causal in (False, True):
+            o = hkernels.attention(q, k, v, causal=causal)
+            assert o.shape == q.shape
+            grads = torch.autograd.grad(o.float().sum(), (q, k, v), allow_unused=True)
+            assert all(g is None or g.shape == t.shape for g, t in zip(grads, (q, k, v), strict=True))
 
 
 def test_torch_backend_attention_varlen_runs_flash_varlen_and_masks_what_it_leaves(monkeypatch):

@@ -284,6 +284,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
             if kind == "cudnn":
                 o, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
                     q, k, v, None, True, 0.0, causal, False, scale=scale)
+                if o is None:  # (what it returns for inputs it has no plan for)
+                    raise RuntimeError("cuDNN attention returned no output")
                 return o.contiguous(), lse[..., 0]
             o, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return o.contiguous(), lse
@@ -328,12 +330,16 @@ def _hint(v: Any) -> int:
     return v if type(v) is int else int(v.node.hint)  # a symbolic size: the value it was traced at
 
 
+def _empty(t: Tensor) -> bool:
+    return any(type(n) is int and n == 0 for n in t.shape)
+
+
 def _fused_key(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Any, ...] | None:
     """What decides whether PyTorch's fused kernels take a call: device, dtype, heads, head dim, the lengths (any
-    length where symbolic), the layout of q, k, v (their dims by stride), causal, PyTorch's switches; None off CUDA
-    or 16-bit."""
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
-        return None
+    length where symbolic), the layout of q, k, v (their dims by stride), causal, PyTorch's switches; None off CUDA,
+    off 16 bits or for an empty q or k."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or _empty(q) or _empty(k):
+        return None  # (an empty batch: cuDNN's checks take it, and its kernel returns None)
     orders = tuple(tuple(sorted(range(4), key=lambda d, t=t: -_hint(t.stride(d)))) for t in (q, k, v))
     lengths = tuple(n if type(n) is int else 256 for n in (q.shape[2], k.shape[2]))
     return (q.device, q.dtype, _hint(q.shape[1]), _hint(k.shape[1]), _hint(q.shape[-1]), lengths, causal, orders,

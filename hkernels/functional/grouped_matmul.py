@@ -187,13 +187,14 @@ _GROUPED_MM_REFUSED: set[str] = set()
 
 def grouped_mm_takes(*tensors: Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: bfloat16, non-empty, every dim but the rows a multiple of
-    8 elements, unit inner stride, aligned start."""
+    8 elements, unit inner stride and the other strides multiples of 8 elements (16 bytes), aligned start."""
     t0 = tensors[0]
     if t0.dtype != torch.bfloat16 or t0.device.type in _GROUPED_MM_REFUSED or not hasattr(torch, "_grouped_mm"):
         return False
     for t in tensors:
         dims = t.shape[1:] if t.dim() == 2 else t.shape  # a 2-d operand's rows are the grouped (any) dim
         if (t.dtype != t0.dtype or t.stride(-1) != 1 or t.storage_offset() % 8 != 0
+                or any(s % 8 != 0 for s in t.stride()[:-1])
                 or any(type(n) is int and n == 0 for n in t.shape) or any(n % 8 != 0 for n in dims[-2:])):
             return False
     return True
