@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import helion
@@ -168,29 +171,119 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         # arguments are the tracer's tensors, which Helion cannot bind: it binds stand-ins of their sizes.
         # The tracer's modes are set aside meanwhile: Helion's own tracing must not be recorded into the graph.
         tracing = _plan.TRACING
-        with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
-            if tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
-                made: dict[int, Any] = {}
-                stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
-                                  for a in args)
-                # Bound apart from Helion's shared bindings: Helion takes a fake tensor's sizes as static, so this
-                # binding's code holds these exact sizes, while its binding cache buckets sizes (a binding made
-                # for 1024 rows would serve 8192 rows and write only the first 1024). The exact-signature key
-                # above keeps one binding per traced shape. (``_bind_isolated``: helion 1.5's binding outside its
-                # cache, which it makes itself for a call torch.compile captures.)
-                bound = kernel._bind_isolated(stand_ins)
-            else:
-                bound = kernel.bind(tuple(_detached(a) for a in args))
-            per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
-            fn = per_bound.get(config)
-            if fn is None:
-                fn = bound.compile_config(_fit(config, bound.config_spec.default_config()), allow_print=False)
-                per_bound[config] = fn
+        disk = None if tracing else _code_key(kernel, config, args, device)
+        fn = _code_load(disk) if disk is not None else None
+        if fn is None:
+            with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
+                if tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
+                    made: dict[int, Any] = {}
+                    stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
+                                      for a in args)
+                    # Bound apart from Helion's shared bindings: Helion takes a fake tensor's sizes as static, so
+                    # this binding's code holds these exact sizes, while its binding cache buckets sizes (a binding
+                    # made for 1024 rows would serve 8192 rows and write only the first 1024). The exact-signature
+                    # key above keeps one binding per traced shape. (``_bind_isolated``: helion 1.5's binding
+                    # outside its cache, which it makes itself for a call torch.compile captures.)
+                    bound = kernel._bind_isolated(stand_ins)
+                else:
+                    bound = kernel.bind(tuple(_detached(a) for a in args))
+                per_bound = bound.__dict__.setdefault("_hkernels_compiled", {})
+                fn = per_bound.get(config)
+                if fn is None:
+                    fn = bound.compile_config(_fit(config, bound.config_spec.default_config()), allow_print=False)
+                    per_bound[config] = fn
+                    if disk is not None:  # (written where the code was generated, not for every new row count)
+                        _code_store(disk, fn)
         if key is not None:
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[key] = fn
     return fn
+
+
+# Helion's generated code on disk, for the next process: a call signature's first call there loads the host function
+# and its Triton kernels from a file instead of binding the kernel (Helion traces and type-checks it) and generating
+# the code, which takes a good part of a second per kernel; Triton's own cache then has the compiled kernels. The key
+# holds everything the code follows from: the kernels' sources (every file of this package), the versions of Helion,
+# PyTorch and Triton, the GPU arch, the kernel's settings and config, and the call signature as ``compiled`` keys it
+# (exact sizes: a row count first seen in a later process binds there, cheaply when Helion's own cache holds its
+# size class). Off with ``HKERNELS_CODE_CACHE=0``; in ``<cache dir>/helion-code`` (``hkernels.configs.cache_dir``),
+# at most _CODE_FILES_MAX files.
+_SOURCES: list[str] = []  # (the digest of this package's sources, computed once)
+
+
+def _code_key(kernel: helion.Kernel, config: helion.Config, args: tuple[Any, ...], device: torch.device
+              ) -> str | None:
+    if os.environ.get("HKERNELS_CODE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        if not _SOURCES:
+            import hashlib
+            from importlib import metadata
+
+            import triton
+
+            digest = hashlib.sha256()
+            for path in sorted(Path(__file__).parent.glob("*.py")):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+            digest.update(f"{metadata.version('helion')} {torch.__version__} {triton.__version__}".encode())
+            _SOURCES.append(digest.hexdigest())
+        # the kernel's settings (an index_dtype twin shares the kernel's name), less the autotuner's (a random seed
+        # per process; a function)
+        settings = sorted((k, repr(v)) for k, v in kernel.settings.to_dict().items()
+                          if not k.startswith("autotune") and " at 0x" not in repr(v))
+        signature = repr((kernel.name, kernel.fn.__module__, settings, sorted(config.config.items()),
+                          arch_of(device), _aliases(args), [_arg_key(a) for a in args], _SOURCES[0]))
+    except Exception:  # (a source or version that cannot be read): no disk cache for this call
+        return None
+    import hashlib
+
+    return hashlib.sha256(signature.encode()).hexdigest()[:40]
+
+
+def _code_path(key: str) -> Path:
+    return configs.cache_dir() / "helion-code" / key[:2] / f"{key}.py"
+
+
+def _code_load(key: str) -> Any:
+    """The host function stored under ``key``, or None."""
+    path = _code_path(key)
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    first = text.split("\n", 1)[0]
+    if not first.startswith(_CODE_MARK):
+        return None
+    name = first[len(_CODE_MARK):].strip()
+    try:
+        spec = importlib.util.spec_from_file_location(f"hkernels_helion_code_{key}", path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return getattr(module, name)
+    except Exception:  # a damaged or foreign file: generate the code again (and overwrite it)
+        return None
+
+
+def _code_store(key: str, fn: Any) -> None:
+    """Write ``fn``'s module (Helion's generated code) under ``key``; a failure to write only costs the next process
+    the binding."""
+    try:
+        root = configs.cache_dir() / "helion-code"
+        if sum(1 for _ in root.glob("*/*.py")) >= _CODE_FILES_MAX if root.is_dir() else False:
+            return
+        text = Path(fn.__code__.co_filename).read_text()
+        path = _code_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(f"{_CODE_MARK}{fn.__name__}\n{text}")
+        os.replace(temporary, path)  # (whole or not at all: another process may be reading it)
+    except Exception:
+        pass
+
+
+_CODE_MARK = "# hkernels: Helion's generated code; host function "
+_CODE_FILES_MAX = 4096  # files of a few kB each; past this, nothing more is written
 
 
 def _by_pointer(config: helion.Config) -> helion.Config:

@@ -1,0 +1,92 @@
+"""Helion's generated code on disk (hkernels/ops/_helion.py): a later process loads it instead of binding the kernel
+and generating the code again; what it loads computes what the binding would."""
+
+from __future__ import annotations
+
+import torch
+
+import hkernels
+from hkernels import dispatch, references
+
+
+def _forget_in_memory() -> None:
+    """What a new process would not have: compiled functions, plans and routes, and Helion's own bindings."""
+    from hkernels.ops import _helion
+    from hkernels.ops import rms_norm as helion_rms_norm
+
+    _helion._compiled.clear()
+    dispatch.forget()
+    for kernel in (helion_rms_norm._rms_norm_fwd, helion_rms_norm._rms_norm_bwd):
+        kernel._bound_kernels.clear()
+
+
+def test_a_second_process_loads_the_code_instead_of_binding(tmp_path, monkeypatch, device):
+    import helion
+
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("HKERNELS_CODE_CACHE", raising=False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=g).to(device).requires_grad_()
+    w = torch.randn(96, generator=g).to(device).requires_grad_()
+    dy = torch.randn(5, 96, generator=g).to(device)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        with hkernels.use_backend("helion"):
+            y = hkernels.rms_norm(x, w)
+        return (y.detach(), *torch.autograd.grad(y, (x, w), dy))
+
+    _forget_in_memory()
+    first = run()
+    files = sorted((tmp_path / "helion-code").glob("*/*.py"))
+    assert len(files) >= 2, files  # the forward's and the backward's code
+    assert all(f.read_text().startswith("# hkernels: Helion's generated code; host function ") for f in files)
+
+    _forget_in_memory()
+    bound: list[str] = []
+    real_bind = helion.Kernel.bind
+
+    def spy(self: helion.Kernel, *args: object, **kwargs: object) -> object:
+        bound.append(self.name)
+        return real_bind(self, *args, **kwargs)
+
+    monkeypatch.setattr(helion.Kernel, "bind", spy)
+    second = run()
+    assert bound == [], f"bound again: {bound}"
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(second[0], references.rms_norm(x.detach(), w.detach()), atol=1e-5, rtol=1e-5)
+
+    # a damaged file is generated again, and the call is right
+    for f in files:
+        f.write_text("# not hkernels' code\n")
+    _forget_in_memory()
+    third = run()
+    assert bound and all(torch.equal(a, b) for a, b in zip(first, third, strict=True))
+
+    # off: every process binds
+    monkeypatch.setenv("HKERNELS_CODE_CACHE", "0")
+    _forget_in_memory()
+    bound.clear()
+    run()
+    assert bound
+
+
+def test_the_key_follows_settings_config_and_signature(tmp_path, monkeypatch, device):
+    """Two kernels of one name (an index-dtype twin), another config or another signature: other files."""
+    from hkernels.ops import _helion
+    from hkernels.ops import softmax as helion_softmax
+
+    monkeypatch.setenv("HKERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("HKERNELS_CODE_CACHE", raising=False)
+    kernel = helion_softmax._softmax_fwd
+    twin = helion_softmax._WIDE[kernel.name]
+    assert twin.name == kernel.name
+    x = torch.randn(4, 300, device=device)
+    config = _helion.config_for(kernel.name, 300, x.device, x.dtype)
+    other = type(config)(**{**config.config, "num_warps": 2 if config.config.get("num_warps") != 2 else 4})
+    keys = {_helion._code_key(kernel, config, (x,), x.device), _helion._code_key(twin, config, (x,), x.device),
+            _helion._code_key(kernel, other, (x,), x.device),
+            _helion._code_key(kernel, config, (torch.randn(4, 301, device=device),), x.device)}
+    assert None not in keys and len(keys) == 4
+    assert _helion._code_key(kernel, config, (x,), x.device) == _helion._code_key(kernel, config, (x.clone(),),
+                                                                                    x.device)
