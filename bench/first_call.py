@@ -43,6 +43,7 @@ CACHE_VARS = {
     "HELION_CACHE_DIR": "helion",
     "XDG_CACHE_HOME": "xdg",
     "CUDA_CACHE_PATH": "nv",
+    "HKERNELS_CACHE_DIR": "hkernels",  # (hkernels' own: tuned tables, Helion's generated code)
 }
 
 

@@ -88,11 +88,13 @@ def prepare() -> None:
 def _import_helion() -> None:
     """Import Helion, without the scikit-learn its surrogate autotuners import at module level (about 1 s of
     Helion's import, which a first call waits for; the library never autotunes at call time). While Helion imports,
-    ``sklearn.ensemble`` is a stand-in whose model classes import the real one when an autotuner first builds a
-    model (``python -m hkernels.tune``, or the caller's own Helion autotuning), so autotuning works as before; the
-    stand-in leaves ``sys.modules`` once Helion is imported. Where scikit-learn is not installed, or already
-    imported, or Helion is, a plain import."""
-    if "helion" in sys.modules or "sklearn" in sys.modules or importlib.util.find_spec("sklearn") is None:
+    ``sklearn.ensemble`` is a stand-in whose model classes construct the real ones when an autotuner first builds a
+    model (``python -m hkernels.tune``, or the caller's own Helion autotuning), so autotuning finds scikit-learn;
+    the stand-in leaves ``sys.modules`` once Helion is imported. Only in a process with one thread (``sys.modules``
+    is every thread's: another one importing scikit-learn meanwhile would get the stand-in); otherwise, or where
+    scikit-learn is not installed, or already imported, or Helion is, a plain import."""
+    if ("helion" in sys.modules or "sklearn" in sys.modules or threading.active_count() > 1
+            or importlib.util.find_spec("sklearn") is None):
         import helion
         return
     package, ensemble = types.ModuleType("sklearn"), types.ModuleType("sklearn.ensemble")

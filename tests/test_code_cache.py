@@ -11,13 +11,19 @@ from hkernels import dispatch, references
 
 def _forget_in_memory() -> None:
     """What a new process would not have: compiled functions, plans and routes, and Helion's own bindings."""
+    import sys
+
+    import helion
+
     from hkernels.ops import _helion
-    from hkernels.ops import rms_norm as helion_rms_norm
 
     _helion._compiled.clear()
     dispatch.forget()
-    for kernel in (helion_rms_norm._rms_norm_fwd, helion_rms_norm._rms_norm_bwd):
-        kernel._bound_kernels.clear()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hkernels.ops.") and module is not None:
+            for value in vars(module).values():
+                if isinstance(value, helion.Kernel):
+                    value._bound_kernels.clear()
 
 
 def test_a_second_process_loads_the_code_instead_of_binding(tmp_path, monkeypatch, device):

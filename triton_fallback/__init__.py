@@ -1,9 +1,10 @@
 """Hand-written Triton kernels: the fallback behind hkernels' Helion kernels, and their yardstick.
 
 ``triton_fallback/<op>.py`` has the same file and function names as ``hkernels/ops/<op>.py``. This package
-imports without Helion; of hkernels it imports only the runtime below it (``hkernels/runtime``: launch path, plans,
-interpret mode). With ``HKERNELS_INTERPRET=1`` its kernels run on CPU tensors in Triton's interpreter; the variable
-must be set before this package (and triton) is imported: see ``hkernels/runtime/interpret.py``.
+imports without Helion; of hkernels its modules name only the runtime below them (``hkernels/runtime``: launch
+path, plans, interpret mode; importing it loads the hkernels package). With ``HKERNELS_INTERPRET=1`` its kernels
+run on CPU tensors in Triton's interpreter; the variable must be set before this package (and triton) is imported:
+see ``hkernels/runtime/interpret.py``.
 """
 
 from __future__ import annotations

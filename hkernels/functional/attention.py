@@ -289,6 +289,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
                 return o.contiguous(), lse[..., 0]
             o, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return o.contiguous(), lse
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             _refused(key, kind, e)
     return math_fwd(q, k, v, causal, scale, left, right, softcap)
@@ -313,6 +315,8 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                 grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                     dof, q, k, v, o, lse, None, None, S, Skv, 0.0, causal, seed, offset, scale=scale)
             return tuple(g.contiguous() for g in grads)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             _refused(key, kind, e)
     return math_bwd(do, q, k, v, o, lse, causal, scale, left, right, softcap)

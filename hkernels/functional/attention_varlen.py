@@ -193,8 +193,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     left, right = window_bounds(OP, window, bool(causal))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, _ = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q or 0, max_seqlen_k or 0, bool(causal),
-                                scale, left, right, softcap_value(OP, softcap))
+    o, _ = _loop_fwd(q, k, v, cu_seqlens_q, cu_k, bool(causal), scale, left, right, softcap_value(OP, softcap))
     return o
 
 
@@ -211,9 +210,13 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     one by one, read on the host."""
     if _flash(q, cu_q, cu_k, max_q, max_k, softcap):
         try:
+            # (max_q of at least 2: at 1, with more query heads than key/value heads and no window, the kernel
+            # takes query i for sequence i, whatever cu_seqlens_q says; a larger bound only adds idle programs)
             o, lse, *_ = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=left,
+                q, k, v, cu_q, cu_k, max(max_q, 2), max_k, 0.0, causal, False, scale=scale, window_size_left=left,
                 window_size_right=right)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             _refused(q, e)
         else:
@@ -221,6 +224,12 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
             past = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype) >= cu_q[-1:]
             lse = lse.masked_fill(past | (lse == float("inf")), float("-inf"))
             return o.masked_fill_(past[:, None, None], 0), lse
+    return _loop_fwd(q, k, v, cu_q, cu_k, causal, scale, left, right, softcap)
+
+
+def _loop_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool, scale: float, left: int,
+              right: int, softcap: float) -> tuple[Tensor, Tensor]:
+    """attention_varlen_fwd one sequence at a time (the sequences read on the host)."""
     o = q.new_zeros(q.shape) + q[:0].sum()  # (an empty sum: zeros on autograd's graph even with no sequence)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for (qa, qb), (ka, kb) in zip(_spans(cu_q, q.shape[0]), _spans(cu_k, k.shape[0]), strict=True):
@@ -242,8 +251,10 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
         rng = torch.empty(2, dtype=torch.int64, device=q.device)  # dropout's random-number state: off, never read
         try:
             dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                do, q, k, v, o, lse.masked_fill(lse == float("-inf"), float("inf")), cu_q, cu_k, max_q, max_k, 0.0,
-                causal, rng, rng, scale=scale, window_size_left=left, window_size_right=right)
+                do, q, k, v, o, lse.masked_fill(lse == float("-inf"), float("inf")), cu_q, cu_k, max(max_q, 2),
+                max_k, 0.0, causal, rng, rng, scale=scale, window_size_left=left, window_size_right=right)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             _refused(q, e)
         else:

@@ -187,16 +187,19 @@ _GROUPED_MM_REFUSED: set[str] = set()
 
 def grouped_mm_takes(*tensors: Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: bfloat16, non-empty, every dim but the rows a multiple of
-    8 elements, unit inner stride and the other strides multiples of 8 elements (16 bytes), aligned start."""
+    8 elements, unit inner stride, the other strides multiples of 8 elements (16 bytes) that do not overlap rows,
+    aligned start."""
     t0 = tensors[0]
     if t0.dtype != torch.bfloat16 or t0.device.type in _GROUPED_MM_REFUSED or not hasattr(torch, "_grouped_mm"):
         return False
     for t in tensors:
         dims = t.shape[1:] if t.dim() == 2 else t.shape  # a 2-d operand's rows are the grouped (any) dim
         if (t.dtype != t0.dtype or t.stride(-1) != 1 or t.storage_offset() % 8 != 0
-                or any(s % 8 != 0 for s in t.stride()[:-1])
                 or any(type(n) is int and n == 0 for n in t.shape) or any(n % 8 != 0 for n in dims[-2:])):
             return False
+        for d in range(t.dim() - 1):  # rows apart, a multiple of 16 bytes (not an expanded, stride-0 dim)
+            if t.stride(d) % 8 != 0 or t.stride(d) < t.shape[d + 1] * t.stride(d + 1):
+                return False
     return True
 
 
@@ -204,6 +207,8 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor | None:
     """``torch._grouped_mm(a, b, offs=offs)``, or None (and the device type keeps the loop) where it raises."""
     try:
         return torch._grouped_mm(a, b, offs=offs)
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, NotImplementedError) as e:
         _GROUPED_MM_REFUSED.add(a.device.type)
         warnings.warn(f"hkernels: torch._grouped_mm failed on {a.device.type} ({e}); the torch backend's grouped "

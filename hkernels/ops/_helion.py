@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,9 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         # arguments are the tracer's tensors, which Helion cannot bind: it binds stand-ins of their sizes.
         # The tracer's modes are set aside meanwhile: Helion's own tracing must not be recorded into the graph.
         tracing = _plan.TRACING
-        disk = None if tracing else _code_key(kernel, config, args, device)
+        # (a kernel Helion has bound in this process binds another row count cheaply, reusing the compiled code of
+        # its size class: the disk serves a kernel's first signatures in a process)
+        disk = None if tracing or getattr(kernel, "_bound_kernels", None) else _code_key(kernel, config, args, device)
         fn = _code_load(disk) if disk is not None else None
         if fn is None:
             with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
@@ -209,32 +212,42 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
 # (exact sizes: a row count first seen in a later process binds there, cheaply when Helion's own cache holds its
 # size class). Off with ``HKERNELS_CODE_CACHE=0``; in ``<cache dir>/helion-code`` (``hkernels.configs.cache_dir``),
 # at most _CODE_FILES_MAX files.
-_SOURCES: list[str] = []  # (the digest of this package's sources, computed once)
+def _sources() -> str:
+    """A digest of this package's sources as this process imported them (read once, at import: a file edited
+    while the process runs must not give its old code the new sources' key), and of Helion's, PyTorch's and
+    Triton's versions."""
+    try:
+        import hashlib
+        from importlib import metadata
+
+        import triton
+
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        digest.update(f"{metadata.version('helion')} {torch.__version__} {triton.__version__}".encode())
+        return digest.hexdigest()
+    except Exception:  # (a source or version that cannot be read: no disk cache in this process)
+        return ""
+
+
+_SOURCES = _sources()
 
 
 def _code_key(kernel: helion.Kernel, config: helion.Config, args: tuple[Any, ...], device: torch.device
               ) -> str | None:
     if os.environ.get("HKERNELS_CODE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
+    if not _SOURCES:
+        return None
     try:
-        if not _SOURCES:
-            import hashlib
-            from importlib import metadata
-
-            import triton
-
-            digest = hashlib.sha256()
-            for path in sorted(Path(__file__).parent.glob("*.py")):
-                digest.update(path.name.encode() + b"\0" + path.read_bytes())
-            digest.update(f"{metadata.version('helion')} {torch.__version__} {triton.__version__}".encode())
-            _SOURCES.append(digest.hexdigest())
         # the kernel's settings (an index_dtype twin shares the kernel's name), less the autotuner's (a random seed
         # per process; a function)
         settings = sorted((k, repr(v)) for k, v in kernel.settings.to_dict().items()
                           if not k.startswith("autotune") and " at 0x" not in repr(v))
         signature = repr((kernel.name, kernel.fn.__module__, settings, sorted(config.config.items()),
-                          arch_of(device), _aliases(args), [_arg_key(a) for a in args], _SOURCES[0]))
-    except Exception:  # (a source or version that cannot be read): no disk cache for this call
+                          arch_of(device), _aliases(args), [_arg_key(a) for a in args], _SOURCES))
+    except Exception:  # an argument or setting that cannot be keyed: no disk cache for this call
         return None
     import hashlib
 
@@ -275,9 +288,12 @@ def _code_store(key: str, fn: Any) -> None:
         text = Path(fn.__code__.co_filename).read_text()
         path = _code_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(f"{_CODE_MARK}{fn.__name__}\n{text}")
-        os.replace(temporary, path)  # (whole or not at all: another process may be reading it)
+        temporary = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
+        try:
+            temporary.write_text(f"{_CODE_MARK}{fn.__name__}\n{text}")
+            os.replace(temporary, path)  # (whole or not at all: another process may be reading it)
+        finally:
+            temporary.unlink(missing_ok=True)
     except Exception:
         pass
 

@@ -41,6 +41,14 @@ class _Renamed:
         return self.kernel._bind_isolated(args)
 
     @property
+    def fn(self) -> Any:  # (what the on-disk code cache keys by, with the name and settings)
+        return self.kernel.fn
+
+    @property
+    def _bound_kernels(self) -> Any:
+        return self.kernel._bound_kernels
+
+    @property
     def settings(self) -> Any:
         """The kernel's Helion settings: the tune command seeds and bounds its search through them, as for every
         Helion kernel."""

@@ -1,4 +1,5 @@
-"""The runtime every backend stands on, at the bottom of the import order: it imports nothing else of this project.
+"""The runtime every backend stands on, at the bottom of the import order: its modules import nothing else of this
+project (importing one runs ``hkernels/__init__.py`` first, as for any subpackage).
 
 - ``interpret``: interpret mode (``HKERNELS_INTERPRET=1``: the kernels on CPU tensors in Triton's interpreter), fixed
   for the process when ``import hkernels`` first imports it.
