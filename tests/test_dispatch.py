@@ -653,9 +653,11 @@ def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, de
         hkernels.grouped_matmul(padded, w.detach(), sizes)
         assert len(calls) == 1
         odd = make(20, 20)[:, :16]  # rows 20 elements apart (40 bytes): not taken, and not tried
-        torch.testing.assert_close(hkernels.grouped_matmul(odd, w.detach(), sizes).double(),
-                                   gm.reference(odd.double(), w.detach().double(), sizes), atol=5e-2, rtol=2e-2)
-    assert len(calls) == 1 and not gm._GROUPED_MM_REFUSED  # K = 12 and the odd row stride: the loop
+        expanded = make(1, 16).expand(20, 16)  # one row for all (stride 0), as a sum's gradient comes
+        for a in (odd, expanded):
+            torch.testing.assert_close(hkernels.grouped_matmul(a, w.detach(), sizes).double(),
+                                       gm.reference(a.double(), w.detach().double(), sizes), atol=5e-2, rtol=2e-2)
+    assert len(calls) == 1 and not gm._GROUPED_MM_REFUSED  # K = 12, the odd and the stride-0 rows: the loop
 
     def fails(*args, **kwargs):
         raise RuntimeError("no grouped GEMM for this device")
