@@ -1,10 +1,10 @@
 """Interpret mode: ``HKERNELS_INTERPRET=1`` runs the kernels on CPU tensors in Triton's interpreter.
 
-The one reader of the variable (:func:`enabled`, :func:`requested`). ``triton.jit`` decides
-between compiling and interpreting when it decorates a function: Triton's own ``triton.language`` helpers when
-``triton`` is imported, each kernel when its module is imported. So the mode is fixed when this module is first
-imported (``import hkernels`` imports it first): in interpret mode it sets
-``TRITON_INTERPRET=1`` for the process then, and :func:`interpreting` gives that decision from then on. Where
+The one reader of the variable (:func:`enabled`, :func:`requested`). ``triton.jit`` decides between compiling and
+interpreting when it decorates a function: Triton's own ``triton.language`` helpers when ``triton`` is imported,
+each kernel when its module is imported. So the mode is fixed when this module is first imported (``import
+hkernels`` imports it first): in interpret mode it sets ``TRITON_INTERPRET=1`` for the process then, and
+:func:`interpreting` gives that decision from then on; :func:`check` raises where the two disagree. Where
 ``triton`` was imported first (by transformers, trl or helion), the functions it decorated then are made
 interpreted at that moment. A process that asks for interpret mode only after this module was imported cannot
 interpret its kernels: :func:`problem` says why, for the caller to raise.
