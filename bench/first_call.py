@@ -1,11 +1,11 @@
 """python -m bench first-call: how long the first call of each op takes in a fresh process (compiling).
 
 For each op x dtype x backend a new Python process, with empty private cache folders (Triton, TorchInductor,
-Helion, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on the host clock
-with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds to import),
-the first forward call (tracing, code generation, compiling), the first backward call, then a second (warm)
-forward and backward. That is what a user pays on a machine that has never run hkernels; with --warm each case
-runs again in a second fresh process on the caches the first left (a restarted server). Rows whose first
+Helion, hkernels' own, XDG, CUDA), imports hkernels, makes the op's inputs at one Llama-3 8B shape and times, on
+the host clock with the GPU synchronized: importing the backend's modules for the op (Helion itself takes seconds
+to import), the first forward call (tracing, code generation, compiling), the first backward call, then a second
+(warm) forward and backward. That is what a user pays on a machine that has never run hkernels; with --warm each
+case runs again in a second fresh process on the caches the first left (a restarted server). Rows whose first
 forward or backward takes over --slow seconds are flagged. A process that fails or outlives --timeout gives a row
 with its error. Writes results.json and table.txt in --out. On a CPU (HKERNELS_INTERPRET=1, --quick) it runs as a
 check of the command: interpreted kernels compile nothing, so the times measure nothing.
