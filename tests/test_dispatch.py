@@ -669,6 +669,20 @@ def test_torch_backend_grouped_matmuls_are_pytorchs_grouped_gemm(monkeypatch, de
     assert device.type in gm._GROUPED_MM_REFUSED
 
 
+def test_grouped_weight_gradient_of_an_empty_group_is_zero_where_the_gemm_leaves_it(monkeypatch):
+    """Where ``torch._grouped_mm`` does not write an empty group's weight gradient (pytorch#172439), the torch backend
+    sets it to zero (on a CPU: the GEMM's result stood in for, garbage in the empty groups)."""
+    from hkernels.functional import grouped_matmul as gm
+
+    offs = torch.tensor([3, 3, 7, 7], dtype=torch.int32)  # groups 1 and 3 are empty
+    dw = torch.randn(4, 8, 16)
+    dw[1], dw[3] = float("nan"), 1e30
+    assert gm.weight_grads(dw, offs) is dw  # (a CPU's loop of matmuls writes the zeros itself)
+    monkeypatch.setattr(gm, "zeroes_empty_groups", lambda device: False)
+    got = gm.weight_grads(dw, offs)
+    assert torch.equal(got[[0, 2]], dw[[0, 2]]) and not got[[1, 3]].any()
+
+
 def test_torch_backend_attention_on_an_empty_batch(device):
     """An empty batch on the torch backend: empty results and gradients, not a fused kernel's None (cuDNN's checks
     take B = 0, and its kernel then returns no tensors)."""

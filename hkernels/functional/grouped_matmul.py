@@ -163,7 +163,7 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     if grouped_mm_takes(dy, x, weight):
         offs = _offsets(group_sizes, x.shape[0])
         dx = grouped_mm(dy, weight, offs) if need_x else None
-        dw = grouped_mm(dy.t(), x, offs) if need_weight else None
+        dw = weight_grads(grouped_mm(dy.t(), x, offs), offs) if need_weight else None
         if (dx is not None or not need_x) and (dw is not None or not need_weight):
             return (zero_rows_past(dx, offs[-1:]) if dx is not None else None), dw
     ct = compute_dtype(x.dtype)
@@ -215,6 +215,22 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor | None:
                       f"matmuls there run a loop of matmuls from now on", dispatch.HKernelsFallbackWarning,
                       stacklevel=3)
         return None
+
+
+def weight_grads(dw: Tensor | None, offs: Tensor) -> Tensor | None:
+    """A grouped weight gradient [E, ...] of ``torch._grouped_mm`` over the rows (``offs``: each group's end) with an
+    empty group's entry zero: sm90's kernel writes zeros there, not every GPU's does (pytorch#172439: Blackwell),
+    so elsewhere they are set here, with no host sync."""
+    if dw is None or zeroes_empty_groups(dw.device):
+        return dw
+    empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+    return torch.where(empty.view(-1, *[1] * (dw.dim() - 1)), 0, dw)
+
+
+def zeroes_empty_groups(device: torch.device) -> bool:
+    """``torch._grouped_mm`` writes zeros for an empty group of a weight gradient on this device (sm90 and the CPU's
+    loop of matmuls do)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
 def zero_rows_past(y: Tensor, end: Tensor) -> Tensor:

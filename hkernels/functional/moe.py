@@ -26,7 +26,7 @@ from hkernels.functional._base import (
     compute_dtype,
     wants_grad,
 )
-from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes
+from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes, weight_grads
 from hkernels.runtime.routing import routing
 
 OP = "moe"
@@ -299,8 +299,8 @@ def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj
             return None
         dx = _combine(dx_rows.float(), pos, topk_ids, None, E).to(x.dtype)
     if need_weights:
-        dd = grouped_mm(do.t(), (h * w).to(x.dtype), offs)
-        dgu = grouped_mm(dpre.t(), x[src.long()], offs)
+        dd = weight_grads(grouped_mm(do.t(), (h * w).to(x.dtype), offs), offs)
+        dgu = weight_grads(grouped_mm(dpre.t(), x[src.long()], offs), offs)
         if dd is None or dgu is None:
             return None
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
