@@ -96,3 +96,41 @@ def test_the_key_follows_settings_config_and_signature(tmp_path, monkeypatch, de
     assert None not in keys and len(keys) == 4
     assert _helion._code_key(kernel, config, (x,), x.device) == _helion._code_key(kernel, config, (x.clone(),),
                                                                                     x.device)
+
+
+def test_a_bound_helion_call_is_replayed_from_its_first_call(device):
+    """After its first call a bound Helion function replays the launches it recorded (the host function does not
+    run): the same results for new inputs of the signature, fresh outputs each call. Host code with a step a replay
+    would skip (a filled allocation, a copy, a loop) is never replayed."""
+    from hkernels.ops import _helion
+    from hkernels.ops import rms_norm as helion_rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(3, 96, generator=g).to(device), torch.randn(96, generator=g).to(device)
+    host = _helion.compiled(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None), 96, x.device)
+    assert _helion.replayable(host)
+    fn, launcher = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None), 96, x.device)
+    assert fn is not host
+    launches: list[object] = []
+
+    def counting(kernel, *args, **kwargs):
+        launches.append(kernel)
+        return launcher(kernel, *args, **kwargs)
+
+    first = fn(x, None, w, 1e-6, None, _launcher=counting)
+    for _ in range(2):
+        x2 = torch.randn(3, 96, generator=g).to(device)
+        y, rstd = fn(x2, None, w, 1e-6, None, _launcher=counting)
+        want_y, want_rstd = host(x2, None, w, 1e-6, None, _launcher=launcher)
+        assert torch.equal(y, want_y) and torch.equal(rstd, want_rstd)
+        assert y.data_ptr() != first[0].data_ptr()
+    assert len(launches) == 3 and len(set(map(id, launches))) == 1  # one launch per call, of the same kernel
+
+    line = _helion._HOST_LINE.fullmatch
+    assert line("    y = torch.empty([m, n], dtype=x.dtype, device=x.device)")
+    assert line("    programs = (m + rows_per_program - 1) // rows_per_program")
+    for step in ("    slots = torch.full([m, chunks], -1, dtype=torch.int64, device=x.device)",
+                 "    acc = torch.zeros([m], dtype=torch.float32, device=x.device)", "    y.zero_()",
+                 "    for i in range(m):", "    z = x.contiguous()", "    n = int(lengths.max())",
+                 "    n = int(lengths)", "    m = f(x) + 1"):
+        assert not line(step), step

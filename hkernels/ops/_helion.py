@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -350,7 +351,111 @@ def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.dev
     _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time."""
     if _recording is not None:
         _recording.append((kernel, args, n))
-    return compiled(kernel, args, n, device, block_sizes), bound_launcher()
+    fn = compiled(kernel, args, n, device, block_sizes)
+    return (fn if _plan.TRACING or not replayable(fn) else replaying(fn)), bound_launcher()
+
+
+# A bound Helion function replayed. Helion's generated host function computes, on every call, sizes, strides, grids
+# and allocations that for one call signature come out the same each time. Its first call here is recorded (each
+# launch's kernel, grid and arguments: which is an input, a view of one, a new allocation or a constant, and what it
+# returns), and later calls run a Python function written from that record: allocate, launch, return. Only for host
+# code made of size and stride reads, integer arithmetic, ``torch.empty`` allocations, launches and a return (an
+# initialised allocation, or any other step, would be skipped by a replay); anything a record cannot say keeps the
+# host function.
+_HOST_LINE = re.compile(
+    r"\s*(#.*|"  # a comment
+    r"[\w, ]+ = \w+\.size\(\d*\)|\w+ = \w+\.stride\(\d+\)|"  # sizes and strides
+    r"\w+ = (?!.*\w\()[\w\s+\-*/%()]+|"  # integer arithmetic (no calls)
+    r"\w+ = torch\.empty\(\[[\w\s,+\-*/()]*\], dtype=[\w.]+, device=\w+\.device\)|"  # an allocation
+    r"_launcher\(.*\)|return .*)?"
+)
+_REPLAYABLE: dict[Any, bool] = {}
+
+
+def replayable(fn: Any) -> bool:
+    """``fn``'s host code is what :func:`replaying` may replay (see above)."""
+    found = _REPLAYABLE.get(fn)
+    if found is None:
+        try:
+            import inspect
+
+            lines = inspect.getsource(fn).splitlines()[1:]  # (after the def line)
+            found = any("_launcher(" in line for line in lines) and all(_HOST_LINE.fullmatch(line) for line in lines)
+        except Exception:  # (no source to read)
+            found = False
+        _REPLAYABLE[fn] = found
+    return found
+
+
+def replaying(fn: Any) -> Any:
+    """``fn`` (a replayable host function), called as it is: its first call runs it and records it, later calls
+    replay the record (see above)."""
+    built: list[Any] = []
+
+    def call(*args: Any, _launcher: Any) -> Any:
+        if built:
+            return built[0](*args, _launcher=_launcher)
+        seen: list[tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
+
+        def recording(kernel: Any, grid: tuple[int, ...], *launch_args: Any, **meta: Any) -> None:
+            seen.append((kernel, tuple(grid), launch_args, meta))
+            _launcher(kernel, grid, *launch_args, **meta)
+
+        out = fn(*args, _launcher=recording)
+        try:
+            built.append(_replay_of(seen, args, out))
+        except ValueError:  # something a record cannot say: the host function runs every call
+            built.append(fn)
+        return out
+
+    return call
+
+
+def _replay_of(seen: list[tuple[Any, ...]], args: tuple[Any, ...], out: Any) -> Any:
+    """The replay function of a recorded call (raises ValueError where the record cannot describe it)."""
+    names: dict[str, Any] = {"empty": torch.empty}
+    body: list[str] = []
+    made: list[torch.Tensor] = []  # (alive while this runs: their ids stay theirs)
+
+    def where(a: Any, returned: bool = False) -> str:
+        if not isinstance(a, torch.Tensor):
+            if returned and a is not None:
+                raise ValueError("a returned value that is not a tensor")
+            names[f"c{len(names)}"] = a
+            return f"c{len(names) - 1}"
+        for i, x in enumerate(args):
+            if a is x:
+                return f"args[{i}]"
+        for k, m in enumerate(made):
+            if a is m:
+                return f"n{k}"
+        storage = a.untyped_storage().data_ptr()
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and storage == x.untyped_storage().data_ptr():
+                if returned:
+                    raise ValueError("a returned view of an input")
+                names[f"v{len(names)}"] = (tuple(a.shape), a.stride(), a.storage_offset() - x.storage_offset())
+                view = f"v{len(names) - 1}"
+                return f"args[{i}].as_strided({view}[0], {view}[1], args[{i}].storage_offset() + {view}[2])"
+        if any(storage == m.untyped_storage().data_ptr() for m in made) or not a.is_contiguous():
+            raise ValueError("a view of an allocation")
+        k = len(made)
+        made.append(a)
+        names[f"s{k}"], names[f"d{k}"], names[f"e{k}"] = tuple(a.shape), a.dtype, a.device
+        body.insert(k, f"    n{k} = empty(s{k}, dtype=d{k}, device=e{k})")
+        return f"n{k}"
+
+    launches = []
+    for j, (kernel, grid, launch_args, meta) in enumerate(seen):
+        if set(meta) - {"num_warps", "num_stages"}:
+            raise ValueError("a launch option a replay does not pass on")
+        names[f"k{j}"], names[f"g{j}"] = kernel, grid
+        parts = [where(a) for a in launch_args] + [f"{key}={int(value)}" for key, value in meta.items()]
+        launches.append(f"    _launcher(k{j}, g{j}, {', '.join(parts)})")
+    returns = (f"({''.join(where(o, True) + ', ' for o in out)})" if type(out) is tuple else where(out, True))
+    source = "\n".join(["def replay(*args, _launcher):", *body, *launches, f"    return {returns}", ""])
+    exec(compile(source, "<hkernels: a Helion call replayed>", "exec"), names)
+    return names["replay"]
 
 
 def like(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
