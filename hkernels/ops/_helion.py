@@ -357,8 +357,8 @@ def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.dev
 
 # A bound Helion function replayed. Helion's generated host function computes, on every call, sizes, strides, grids
 # and allocations that for one call signature come out the same each time. Its first call here is recorded (each
-# launch's kernel, grid and arguments: which is an input, a view of one, a new allocation or a constant, and what it
-# returns), and later calls run a Python function written from that record: allocate, launch, return. Only for host
+# launch's kernel, grid and arguments: which is an input, a new allocation or a constant, and what it returns), and
+# later calls run a Python function written from that record: allocate, launch, return. Only for host
 # code made of size and stride reads, integer arithmetic, ``torch.empty`` allocations, launches and a return (an
 # initialised allocation, or any other step, would be skipped by a replay); anything a record cannot say keeps the
 # host function.
@@ -430,15 +430,10 @@ def _replay_of(seen: list[tuple[Any, ...]], args: tuple[Any, ...], out: Any) -> 
             if a is m:
                 return f"n{k}"
         storage = a.untyped_storage().data_ptr()
-        for i, x in enumerate(args):
-            if isinstance(x, torch.Tensor) and storage == x.untyped_storage().data_ptr():
-                if returned:
-                    raise ValueError("a returned view of an input")
-                names[f"v{len(names)}"] = (tuple(a.shape), a.stride(), a.storage_offset() - x.storage_offset())
-                view = f"v{len(names) - 1}"
-                return f"args[{i}].as_strided({view}[0], {view}[1], args[{i}].storage_offset() + {view}[2])"
-        if any(storage == m.untyped_storage().data_ptr() for m in made) or not a.is_contiguous():
-            raise ValueError("a view of an allocation")
+        if any(isinstance(t, torch.Tensor) and storage == t.untyped_storage().data_ptr() for t in (*args, *made)):
+            raise ValueError("a view of an input or of an allocation")  # (a call's views may lie otherwise)
+        if not a.is_contiguous():
+            raise ValueError("an allocation that is not contiguous")
         k = len(made)
         made.append(a)
         names[f"s{k}"], names[f"d{k}"], names[f"e{k}"] = tuple(a.shape), a.dtype, a.device
