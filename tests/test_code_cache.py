@@ -18,6 +18,7 @@ def _forget_in_memory() -> None:
     from hkernels.ops import _helion
 
     _helion._compiled.clear()
+    _helion._replays.clear()
     dispatch.forget()
     for name, module in list(sys.modules.items()):
         if name.startswith("hkernels.ops.") and module is not None:
@@ -125,6 +126,8 @@ def test_a_bound_helion_call_is_replayed_from_its_first_call(device):
         assert torch.equal(y, want_y) and torch.equal(rstd, want_rstd)
         assert y.data_ptr() != first[0].data_ptr()
     assert len(launches) == 3 and len(set(map(id, launches))) == 1  # one launch per call, of the same kernel
+    again, _ = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None), 96, x.device)
+    assert again is fn  # a caller that binds on every call gets the same replay, recorded once
 
     line = _helion._HOST_LINE.fullmatch
     assert line("    y = torch.empty([m, n], dtype=x.dtype, device=x.device)")

@@ -95,3 +95,4 @@ def reload() -> None:
     if helion_runner is not None:  # configs chosen and kernels compiled from the old tables
         helion_runner._config.cache_clear()
         helion_runner._compiled.clear()
+        helion_runner._replays.clear()

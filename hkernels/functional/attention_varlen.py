@@ -19,6 +19,7 @@ from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, 
 from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
 from hkernels.functional.attention import math_bwd as _dense_bwd
 from hkernels.functional.attention import math_fwd as _dense_fwd
+from hkernels.runtime.routing import zero_rows_past
 
 OP = "attention_varlen"
 _INDEX = (torch.int32, torch.int64)
@@ -222,8 +223,7 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
         else:
             # rows that see no key: lse +inf there, −inf here; rows past the last sequence are left unwritten
             past = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype) >= cu_q[-1:]
-            lse = lse.masked_fill(past | (lse == float("inf")), float("-inf"))
-            return o.masked_fill_(past[:, None, None], 0), lse
+            return zero_rows_past(o, cu_q[-1:]), lse.masked_fill(past | (lse == float("inf")), float("-inf"))
     return _loop_fwd(q, k, v, cu_q, cu_k, causal, scale, left, right, softcap)
 
 
@@ -258,10 +258,7 @@ def attention_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
         except RuntimeError as e:
             _refused(q, e)
         else:
-            for g, cu in ((dq, cu_q), (dk, cu_k), (dv, cu_k)):
-                g.masked_fill_((torch.arange(g.shape[0], device=g.device, dtype=cu.dtype) >= cu[-1:])[:, None, None],
-                               0)
-            return dq, dk, dv
+            return zero_rows_past(dq, cu_q[-1:]), zero_rows_past(dk, cu_k[-1:]), zero_rows_past(dv, cu_k[-1:])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (qa, qb), (ka, kb) in zip(_spans(cu_q, q.shape[0]), _spans(cu_k, k.shape[0]), strict=True):
         if qb == qa or kb == ka:

@@ -24,6 +24,7 @@ from hkernels.functional._base import (
     check_tensor,
     compute_dtype,
 )
+from hkernels.runtime.routing import group_ends, zero_rows_past
 
 OP = "grouped_matmul"
 _INT = (torch.int32, torch.int64)
@@ -149,7 +150,7 @@ def reference(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
 
 def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     if grouped_mm_takes(x, weight):
-        offs = _offsets(group_sizes, x.shape[0])
+        offs = group_ends(group_sizes, x.shape[0])[:-1]
         y = grouped_mm(x, weight.transpose(1, 2), offs)
         if y is not None:
             return zero_rows_past(y, offs[-1:])
@@ -161,7 +162,7 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     """(dx [T, K] or None, dweight [E, N, K] or None), written out (a custom op's implementation runs without
     autograd)."""
     if grouped_mm_takes(dy, x, weight):
-        offs = _offsets(group_sizes, x.shape[0])
+        offs = group_ends(group_sizes, x.shape[0])[:-1]
         dx = grouped_mm(dy, weight, offs) if need_x else None
         dw = weight_grads(grouped_mm(dy.t(), x, offs), offs) if need_weight else None
         if (dx is not None or not need_x) and (dw is not None or not need_weight):
@@ -231,17 +232,6 @@ def zeroes_empty_groups(device: torch.device) -> bool:
     """``torch._grouped_mm`` writes zeros for an empty group of a weight gradient on this device (sm90 and the CPU's
     loop of matmuls do)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
-
-
-def zero_rows_past(y: Tensor, end: Tensor) -> Tensor:
-    """y with its rows from ``end`` (a one-element device tensor) on set to zero, without a host sync."""
-    rows = torch.arange(y.shape[0], device=y.device, dtype=end.dtype)
-    return y.masked_fill_((rows >= end)[:, None], 0)
-
-
-def _offsets(group_sizes: Tensor, rows: int) -> Tensor:
-    """[E] int32: each group's end row, sizes clamped at 0 and ends at ``rows`` (as the kernels read them)."""
-    return torch.cumsum(group_sizes.clamp(min=0), 0).clamp(max=rows).to(torch.int32)
 
 
 # Under autocast: as each group's matmul, in autocast's dtype.

@@ -280,7 +280,8 @@ def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj
     E = gate_up_proj.shape[0]
     offs = ends[:E]
     valid = torch.arange(src.shape[0], device=x.device, dtype=torch.int32) < ends[E - 1:E]
-    do = dout[src.long()]
+    tokens = src.long()
+    do = dout[tokens]
     dh_raw = grouped_mm(do, down_proj, offs)
     if dh_raw is None:
         return None
@@ -300,7 +301,7 @@ def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj
         dx = _combine(dx_rows.float(), pos, topk_ids, None, E).to(x.dtype)
     if need_weights:
         dd = weight_grads(grouped_mm(do.t(), (h * w).to(x.dtype), offs), offs)
-        dgu = weight_grads(grouped_mm(dpre.t(), x[src.long()], offs), offs)
+        dgu = weight_grads(grouped_mm(dpre.t(), x[tokens], offs), offs)
         if dd is None or dgu is None:
             return None
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)

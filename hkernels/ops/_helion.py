@@ -352,7 +352,23 @@ def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.dev
     if _recording is not None:
         _recording.append((kernel, args, n))
     fn = compiled(kernel, args, n, device, block_sizes)
-    return (fn if _plan.TRACING or not replayable(fn) else replaying(fn)), bound_launcher()
+    if _plan.TRACING or not replayable(fn):
+        return fn, bound_launcher()
+    # one replay per call signature (the compiled function serves a whole size class, a record one signature),
+    # kept here: a caller that binds on every call still records once
+    try:
+        key = (fn, _aliases(args), *[_arg_key(a) for a in args])
+        found = _replays.get(key)
+    except TypeError:  # an unhashable argument
+        return fn, bound_launcher()
+    if found is None:
+        if len(_replays) >= _COMPILED_MAX:
+            _replays.clear()
+        found = _replays[key] = replaying(fn)
+    return found, bound_launcher()
+
+
+_replays: dict[tuple[Any, ...], Any] = {}
 
 
 # A bound Helion function replayed. Helion's generated host function computes, on every call, sizes, strides, grids
@@ -383,6 +399,8 @@ def replayable(fn: Any) -> bool:
             found = any("_launcher(" in line for line in lines) and all(_HOST_LINE.fullmatch(line) for line in lines)
         except Exception:  # (no source to read)
             found = False
+        if len(_REPLAYABLE) >= _COMPILED_MAX:
+            _REPLAYABLE.clear()
         _REPLAYABLE[fn] = found
     return found
 

@@ -51,3 +51,10 @@ def tile_ends(ends: Tensor, block_m: int) -> Tensor:
     the schedule the grouped kernels walk (see triton_fallback/grouped_matmul.py)."""
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     return torch.cumsum((sizes + block_m - 1) // block_m, 0, dtype=torch.int32)
+
+
+def zero_rows_past(y: Tensor, end: Tensor) -> Tensor:
+    """``y`` [R, ...] with its rows from ``end`` (a one-element device tensor) on set to zero, in place and without a
+    host sync: the rows a grouped or packed kernel leaves unwritten past its last group or sequence."""
+    rows = torch.arange(y.shape[0], device=y.device, dtype=end.dtype)
+    return y.masked_fill_((rows >= end).view(-1, *[1] * (y.dim() - 1)), 0)
