@@ -80,7 +80,7 @@ def _fake(a: object, mode: FakeTensorMode) -> object:
         return torch.empty(a.shape, dtype=a.dtype, device="cuda")
 
 
-def _symbolic_fakes(args: tuple[object, ...]) -> tuple[list[object], object, set[object]]:
+def _symbolic_fakes(args: tuple[object, ...], every: bool = False) -> tuple[list[object], object, set[object]]:
     """Fake CUDA tensors as a graph whose length varies has them: the length (the largest size past the last dim
     of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim, is a symbol
     of a shape environment; the other sizes (heads, hidden sizes) stay static. Returns the fakes, the environment
@@ -92,18 +92,19 @@ def _symbolic_fakes(args: tuple[object, ...]) -> tuple[list[object], object, set
     mode = FakeTensorMode(shape_env=env)
     rows = sorted({d for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in a.shape[:-1] if d >= 2})
     rows = rows[-1:]
+    sizes = sorted({d for a in args if isinstance(a, torch.Tensor) for d in a.shape if d >= 2}) if every else rows
     symbols = {v: env.create_symintnode(env.create_symbol(v, ConstantSource(f"rows_{v}"),
-                                                          dynamic_dim=DimDynamic.DYNAMIC), hint=v) for v in rows}
+                                                          dynamic_dim=DimDynamic.DYNAMIC), hint=v) for v in sizes}
     fakes: list[object] = []
     for a in args:
         if not isinstance(a, torch.Tensor):
             fakes.append(a)
             continue
-        last = a.dim() - 1 if a.dim() >= 2 else -1
+        last = a.dim() - 1 if a.dim() >= 2 and not every else -1
         shape = [symbols.get(d, d) if i != last else d for i, d in enumerate(a.shape)]
         with mode:
             fakes.append(torch.empty(shape, dtype=a.dtype, device="cuda"))
-    return fakes, env, {s.node.expr for s in symbols.values()}
+    return fakes, env, {symbols[v].node.expr for v in rows}
 
 
 def _row_guards(env: object, rows: set[object], op: str) -> list[str]:
@@ -112,11 +113,39 @@ def _row_guards(env: object, rows: set[object], op: str) -> list[str]:
     one graph per class, not per length) are not counted."""
     found = [f"{k} = {v}" for k, v in env.replacements.items() if k in rows]
     bounds = _SIZE_CLASSES.get(op, set())
-    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows and not _size_class(g.expr, bounds)]
+    return found + [str(g.expr) for g in env.guards if g.expr.free_symbols & rows and not _size_class(g.expr, bounds)
+                    and not _int32_class(g.expr)]
 
 
 # The size classes each op's host code may guard a symbolic length on: the linear loss's chunk counts.
 _SIZE_CLASSES = {"fused_linear_cross_entropy": {_chunked.MIN_CHUNK * c for c in _chunked.TRACED_CLASSES}}
+
+
+def _unfixed(env: object, fakes: list[object], rows: set[object]) -> list[str]:
+    """With every size symbolic (``dynamic=True``): the last dims of the tensors (hidden sizes, head dims, the
+    vocabulary: what the kernels' settings and Helion's bindings specialise on) that tracing left free of a constant
+    (a replacement by a number or an equality guard), other than the length: code made for one value would serve
+    another with no recompile."""
+    import sympy
+
+    fixed = {k for k, v in env.replacements.items() if v.is_Integer}
+    fixed |= {s for g in env.guards if isinstance(g.expr, sympy.Eq) for s in g.expr.free_symbols}
+    last = {a.shape[-1].node.expr for a in fakes if isinstance(a, torch.Tensor) and a.dim()
+            and isinstance(a.shape[-1], torch.SymInt)}
+    return sorted(str(s) for s in last if s.is_Symbol and s not in fixed | rows)
+
+
+def _int32_class(expr: object) -> bool:
+    """``expr`` bounds a tensor's element count by int32's largest value (or its negation): Helion indexes a tensor
+    with 32-bit offsets below it, 64-bit above, so a length crossing it is one more graph (two in all)."""
+    import sympy
+
+    if isinstance(expr, sympy.Not):
+        expr = expr.args[0]
+    if isinstance(expr, (sympy.LessThan, sympy.StrictGreaterThan)):
+        return expr.rhs == 2**31 - 1 if isinstance(expr, sympy.LessThan) else expr.lhs == 2**31 - 1 or \
+            expr.rhs == 2**31 - 1
+    return False
 
 
 def _size_class(expr: object, bounds: set[int]) -> bool:
@@ -214,8 +243,10 @@ def main() -> None:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     results: dict[str, str] = {}
+    only = set(filter(None, os.environ.get("HKERNELS_TRACE_OPS", "").split(",")))  # (a subset, while working)
     for op, (inputs, leaves, f) in [*((op, test_compile._op_case(op, torch.device("cpu")))
-                                      for op in test_compile.EVERY_OP), *_aligned_cases()]:
+                                      for op in test_compile.EVERY_OP if not only or op in only),
+                                    *(c for c in _aligned_cases() if not only or c[0] in only)]:
         record = _Record()
         with record, hkernels.use_backend("torch"):
             out = f(hkernels, *inputs)
@@ -226,15 +257,17 @@ def main() -> None:
             if func in seen:
                 continue
             seen.add(func)
-            for backend, symbolic in (("triton", False), ("helion", False), ("triton", True), ("helion", True)):
-                key = f"{op} {func.__name__} {backend}" + (" symbolic" if symbolic else "")
+            for backend, symbolic in (("triton", False), ("helion", False), ("triton", True), ("helion", True),
+                                      ("triton", "every"), ("helion", "every")):
+                key = f"{op} {func.__name__} {backend}" + {False: "", True: " symbolic",
+                                                           "every": " every size symbolic"}[symbolic]
                 if (op, backend) in _base._OPAQUE_IN_GRAPHS:
                     continue  # kept opaque on purpose (see hkernels/functional/_base.py)
                 name = func._schema.name.split("::")[-1]
                 if symbolic and not dispatch.takes_symbolic(op, backend, name):
                     continue  # (this backend keeps the op opaque at a symbolic length)
                 if symbolic:
-                    fakes, env, rows = _symbolic_fakes(args)
+                    fakes, env, rows = _symbolic_fakes(args, every=symbolic == "every")
                 else:
                     mode = FakeTensorMode()
                     fakes = [_fake(a, mode) for a in args]
@@ -266,6 +299,8 @@ def main() -> None:
                         results[key] = "opaque: the graph calls the custom op"
                     elif symbolic and _row_guards(env, rows, op):
                         results[key] = f"a guard on the row count: {_row_guards(env, rows, op)[:3]}"
+                    elif symbolic == "every" and _unfixed(env, fakes, rows):
+                        results[key] = f"a size a kernel specialises on stays symbolic: {_unfixed(env, fakes, rows)}"
                     elif _AS_INDUCTOR:
                         results[key] = _AS_INDUCTOR[0]
                     elif "triton_kernel_wrapper_functional" not in code:

@@ -342,9 +342,12 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 
 
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
-SYMBOLIC_TRACED = [(op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
-                                              "rope", "qk_norm_rope", "cross_entropy",
-                                              "fused_linear_cross_entropy")]
+SYMBOLIC_TRACED = [
+    *((op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy")),
+    *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy")),
+]
 
 
 @pytest.mark.parametrize(("tokens", "h", "parts"), [(7, 2048, 1), (1024, 2048, 1), (1025, 2048, 4), (4096, 2048, 4),
@@ -413,7 +416,11 @@ def test_every_kernel_launch_is_traced_into_the_graph():
     for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                "qk_norm_rope"):  # (a CPU reaches)
         for fn in ("fwd", "bwd"):
-            assert f"{op} {op}_{fn}.default triton symbolic" in ok, (op, fn)
+            for backend in ("triton", "helion") if op != "rope" else ("triton",):
+                # with the length symbolic, and with every size symbolic (dynamic=True: the sizes the kernels are
+                # specialised to become constants of the graph)
+                assert f"{op} {op}_{fn}.default {backend} symbolic" in ok, (op, fn, backend)
+                assert f"{op} {op}_{fn}.default {backend} every size symbolic" in ok, (op, fn, backend)
 
 
 def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):
@@ -501,6 +508,46 @@ def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
         with _plan.tracing():
             helion_rms_norm.rms_norm_fwd(x, w, 1e-6)
     assert grids[1][0] == 8 * grids[0][0] and grids[2] == grids[0], grids
+
+
+@pytest.mark.parametrize("op,n", [("rms_norm", 96), ("rms_norm", 8200), ("layer_norm", 96), ("add_rms_norm", 96)])
+def test_a_persistent_helion_backward_with_programs_past_the_rows(op, n, monkeypatch, device):
+    """At a symbolic length the norms' persistent Helion backwards launch a constant count of programs (the dw
+    partial's rows then do not follow the length): programs past the last row loop zero times and write zero
+    partials. Here the eager calls take that grid too (5 rows over 4 or more programs): every gradient as with the
+    grid that fits the rows."""
+    from hkernels.ops import _helion
+
+    def as_traced(m, n_, block_n, device_, per_sm=4):
+        most = max(1, _helion._programs(device_, per_sm) // -(-n_ // block_n))
+        return -(-m // most), most
+
+    g = torch.Generator().manual_seed(7)
+    x, r, w = (torch.randn(s, generator=g).to(device) for s in ((5, n), (5, n), (n,)))
+
+    def grads() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+        with hkernels.use_backend("helion"):
+            if op == "add_rms_norm":
+                y, s = hkernels.add_rms_norm(leaves[0], leaves[1], leaves[2])
+                out = (y * y).sum() + (s * torch.linspace(-1, 1, n, device=device)).sum()
+            else:
+                fn = hkernels.layer_norm if op == "layer_norm" else hkernels.rms_norm
+                out = (fn(leaves[0], leaves[2]) ** 2).sum()
+                leaves.pop(1)
+            return list(torch.autograd.grad(out, leaves))
+
+    fitted = grads()
+    hkernels.dispatch.forget()
+    def persistent_as_traced(m, device_, per_sm=2):
+        most = _helion._programs(device_, per_sm)
+        return -(-m // most), most
+
+    monkeypatch.setattr(_helion, "persistent", persistent_as_traced)
+    monkeypatch.setattr(_helion, "row_groups", as_traced)
+    assert _helion.persistent(5, device)[1] * _helion.persistent(5, device)[0] > 5  # (a program past the rows)
+    for got, want in zip(grads(), fitted, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_inside_compile_follows_the_compiled_table(device, monkeypatch, tmp_path):
@@ -650,7 +697,8 @@ def test_compile_modes_with_the_length_varying(op, backend, mode, device):
 @pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only (the trace itself is checked "
                     "on a CPU by test_every_kernel_launch_is_traced_into_the_graph)")
 @pytest.mark.parametrize("dynamic", [None, True, "mark_dynamic"], ids=["automatic", "dynamic", "mark_dynamic"])
-@pytest.mark.parametrize(("op", "backend"), [*SYMBOLIC_TRACED, *((op, "auto") for op, _ in SYMBOLIC_TRACED)],
+@pytest.mark.parametrize(("op", "backend"),
+                         [*SYMBOLIC_TRACED, *dict.fromkeys((op, "auto") for op, _ in SYMBOLIC_TRACED)],
                          ids=lambda v: str(v))
 def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monkeypatch):
     """Inside torch.compile (Inductor), one function called at five lengths (automatic dynamic shapes,

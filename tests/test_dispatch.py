@@ -866,15 +866,20 @@ def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
                                  hint=12)
     with FakeTensorMode(shape_env=env):
         x, w = torch.empty(rows, 64), torch.empty(64)
-        static = torch.empty(12, 64)
-    assert dispatch.takes_symbolic("rms_norm", "triton", "rms_norm_fwd")
-    assert not dispatch.takes_symbolic("rms_norm", "helion", "rms_norm_fwd")
+        q, k, cos = torch.empty(1, 4, rows, 16), torch.empty(1, 2, rows, 16), torch.empty(1, rows, 16)
+        static = torch.empty(1, 4, 12, 16), torch.empty(1, 2, 12, 16), torch.empty(1, 12, 16), torch.empty(1, 12, 16)
+    for backend in ("triton", "helion"):
+        assert dispatch.takes_symbolic("rms_norm", backend, "rms_norm_fwd")
+    assert dispatch.takes_symbolic("rope", "triton", "rope_fwd")
+    assert not dispatch.takes_symbolic("rope", "helion", "rope_fwd")
     with FakeTensorMode(shape_env=env):
         long_rows = torch.empty(rows, 100000)
-    assert dispatch.takes_symbolic("softmax", "triton", "softmax_fwd", (x,))  # rows kept in registers
-    assert not dispatch.takes_symbolic("softmax", "triton", "softmax_fwd", (long_rows,))  # split rows: opaque
-    backend, why = dispatch.select_compiled("rms_norm", "auto", (x, w), "rms_norm_fwd")
+    for backend in ("triton", "helion"):
+        assert dispatch.takes_symbolic("softmax", backend, "softmax_fwd", (x,))  # rows kept in registers
+        assert not dispatch.takes_symbolic("softmax", backend, "softmax_fwd", (long_rows,))  # split rows: opaque
+    assert dispatch.select_compiled("rms_norm", "auto", (x, w), "rms_norm_fwd")[0] == "helion"
+    backend, why = dispatch.select_compiled("rope", "auto", (q, k, cos, cos), "rope_fwd")
     assert backend == "triton", why
-    assert dispatch.select_compiled("rms_norm", "auto", (static, w), "rms_norm_fwd")[0] == "helion"
+    assert dispatch.select_compiled("rope", "auto", static, "rope_fwd")[0] == "helion"
     assert dispatch.select_compiled("softmax", "auto", (long_rows,), "softmax_fwd")[0] == "helion"  # (opaque)
     assert not [str(g.expr) for g in env.guards if g.expr.free_symbols]  # routing read nothing of the length

@@ -61,13 +61,14 @@ def config_for(kernel: str, n: int, device: torch.device, dtype: torch.dtype = t
 
     A bucket may name ``dtypes`` it is for: pipelined configs that fit shared memory for 16-bit rows may not for
     float32 ones (twice the bytes per stage: rms_norm's backward at N = 8192 would ask more than sm90 has).
+    A symbolic ``n`` (a graph traced with every size dynamic) becomes a constant of the graph: configs are by it.
     """
-    return _config(arch_of(device), kernel, n, dtype)
+    return _config(arch_of(device), kernel, int(n), dtype)
 
 
 def programs_per_sm(kernel: str, n: int, device: torch.device, dtype: torch.dtype) -> int:
     """For persistent kernels: programs per multiprocessor, a host-side launch setting kept beside the config."""
-    return int(_bucket(arch_of(device), kernel, n, dtype).get("programs_per_sm", 2))
+    return int(_bucket(arch_of(device), kernel, int(n), dtype).get("programs_per_sm", 2))
 
 
 def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
@@ -155,6 +156,7 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
     """``kernel`` compiled for ``args`` with its shipped config (its ``block_sizes`` replaced where given: a shape
     the shipped blocks do not suit): Helion's generated host function."""
     # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
+    n = int(n)  # (a static dim: a graph with every size symbolic takes it as a constant)
     key: tuple[Any, ...] | None = (kernel, n, block_sizes, _plan.TRACING > 0, _aliases(args),
                                    *[_arg_key(a) for a in args])
     try:
@@ -179,7 +181,11 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         fn = _code_load(disk) if disk is not None else None
         if fn is None:
             with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
-                if tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
+                if tracing and _has_symbols(args):  # (a length that varies: code for every value it takes,
+                    # bound anew for each graph traced, as the key above cannot hold a symbol)
+                    bound = kernel._bind_isolated(_symbolic_stand_ins(args))
+                    _specialize_as(bound, args)
+                elif tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
                     made: dict[int, Any] = {}
                     stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
                                       for a in args)
@@ -322,6 +328,69 @@ def _outside_modes() -> Any:
     return _disable_current_modes()
 
 
+def _has_symbols(args: tuple[Any, ...]) -> bool:
+    return any(isinstance(v, torch.SymInt) for a in args if isinstance(a, torch.Tensor)
+               for v in (*a.shape, *a.stride())) or any(isinstance(a, torch.SymInt) for a in args)
+
+
+def _symbolic_stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Stand-ins of a traced call whose sizes are symbolic, for Helion to bind code that serves every size they take:
+    each symbolic size or stride (one symbol per distinct expression, at least 2, as a graph's symbolic length is)
+    a free symbol of a shape environment of its own, static sizes as they are, a SymInt argument its value. Nothing
+    Helion decides while it binds reaches the graph's guards, except one decision made here in the graph's own
+    terms: whether each tensor has more elements than a 32-bit offset reaches (Helion then indexes it with 64-bit
+    offsets), a guard on the length that makes a graph crossing it a second one."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    made: dict[Any, Any] = {}
+
+    def size(v: Any) -> Any:
+        if not isinstance(v, torch.SymInt):
+            return v
+        expr = v.node.expr
+        if expr not in made:
+            hint = max(2, int(v.node.hint))
+            symbol = env.create_symbol(hint, ConstantSource(f"hkernels_size{len(made)}"),
+                                       dynamic_dim=DimDynamic.DYNAMIC)
+            made[expr] = env.create_symintnode(symbol, hint=hint)
+        return made[expr]
+
+    out: list[Any] = []
+    tensors: dict[int, Any] = {}  # (an argument given twice is one stand-in, bound as it runs)
+    for a in args:
+        if isinstance(a, torch.SymInt):
+            out.append(int(a.node.hint))
+        elif isinstance(a, torch.Tensor):
+            if id(a) not in tensors:
+                bool(a.numel() > 2**31 - 1)  # (the guard: Helion's choice of offset width, where the graph sees it)
+                with mode:
+                    tensors[id(a)] = torch.empty_strided([size(v) for v in a.shape], [size(v) for v in a.stride()],
+                                                         dtype=a.dtype, device=a.device)
+            out.append(tensors[id(a)])
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _specialize_as(bound: Any, args: tuple[Any, ...]) -> None:
+    """Every size the kernel specialises (``hl.specialize``: a hidden size, a head dim) made a constant of the graph
+    too, where it is symbolic there (``dynamic=True`` makes every size so): a guard, so that another value is
+    another graph, never this binding's code."""
+    def concrete(v: Any) -> None:
+        if isinstance(v, torch.SymInt):
+            int(v)
+        elif isinstance(v, (tuple, list)):
+            for e in v:
+                concrete(e)
+
+    for extract in bound._specialize_extra():
+        concrete(extract(args))
+
+
 def _detached(a: Any) -> Any:
     return a.detach() if isinstance(a, torch.Tensor) else a
 
@@ -340,7 +409,7 @@ def _stand_in(a: Any) -> Any:
 
         _stand_ins = FakeTensorMode()
     with _stand_ins:
-        # (static sizes only: a call with symbolic sizes stays opaque, see hkernels/functional/_base.py)
+        # (static sizes: a call with symbolic ones binds on _symbolic_stand_ins)
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
 
 
@@ -495,16 +564,26 @@ def _programs(device: torch.device, per_sm: int) -> int:
     return per_sm * num_sms(device)
 
 
-def rows_per_program(m: int, device: torch.device, per_sm: int = 2) -> int:
-    """Rows each program of a persistent grid walks, for about ``per_sm`` programs per multiprocessor."""
-    return -(-m // max(1, min(m, _programs(device, per_sm))))
+def persistent(m: int, device: torch.device, per_sm: int = 2) -> tuple[int, int]:
+    """(rows each program walks, programs) for a persistent grid over m rows with about ``per_sm`` programs per
+    multiprocessor. For a symbolic row count (a compiled graph's varying length) the full count of programs, each
+    walking a share of the length: a program past the rows loops zero times and writes a zero partial, and the
+    partial's rows are a constant (no guard on m)."""
+    most = _programs(device, per_sm)
+    if type(m) is not int:
+        return -(-m // most), most
+    rows = -(-m // max(1, min(m, most)))
+    return rows, -(-m // rows)
 
 
-def rows_per_group(m: int, n: int, block_n: int, device: torch.device, per_sm: int = 4) -> int:
-    """Rows per group for a grid of (row groups × column blocks of ``block_n``) filling the GPU."""
-    col_blocks = -(-n // block_n)
-    groups = max(1, min(m, _programs(device, per_sm) // col_blocks))
-    return -(-m // groups)
+def row_groups(m: int, n: int, block_n: int, device: torch.device, per_sm: int = 4) -> tuple[int, int]:
+    """(rows per group, groups) for a grid of (row groups × column blocks of ``block_n``) filling the GPU; for a
+    symbolic row count, a constant count of groups, as :func:`persistent`."""
+    most = max(1, _programs(device, per_sm) // -(-n // block_n))
+    if type(m) is not int:
+        return -(-m // most), most
+    rows = -(-m // max(1, min(m, most)))
+    return rows, -(-m // rows)
 
 
 def pad_single_row(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

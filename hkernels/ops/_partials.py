@@ -43,9 +43,11 @@ def bind_sum_partials(part: Tensor, param: Tensor) -> Callable[[Tensor, Tensor],
     """``sum_partials`` for arguments of this signature, set up once (its callers bind it with their own plan)."""
     P, N = part.shape
     dtype, device = param.dtype, param.device
-    if N == 0 or P == 0:
+    if type(P) is not int:  # a count that follows a graph's symbolic length: at least 2 rows there, never guarded
+        pass
+    elif N == 0 or P == 0:
         return lambda part, param: torch.zeros(N, dtype=dtype, device=device)
-    if P == 1:  # the sum is the row. (Helion 1.5.0 specialises a size-1 P to a broadcast, and its code then fails.)
+    elif P == 1:  # the sum is the row. (Helion 1.5.0 specialises a size-1 P to a broadcast, and its code then fails.)
         return lambda part, param: part[0].to(dtype)
     fn, launcher = _helion.bind(_sum_partials, (part, param), N, device)
     return lambda part, param: fn(part, param, _launcher=launcher)

@@ -24,6 +24,8 @@ from helion.runtime.kernel import BoundKernel
 from hkernels.ops import _helion, rms_norm
 
 Tensor = torch.Tensor
+# traced at a symbolic row count (see hkernels/ops/rms_norm.py)
+SYMBOLIC = frozenset({"add_rms_norm_fwd", "add_rms_norm_bwd"})
 
 
 class _Renamed:

@@ -27,6 +27,8 @@ from hkernels.ops import _helion
 from hkernels.runtime.launch import same_memory
 
 Tensor = torch.Tensor
+# traced at a symbolic row count (see hkernels/ops/rms_norm.py)
+SYMBOLIC = frozenset({"cross_entropy_fwd", "cross_entropy_grad", "loss_grad_scale_"})
 LOG2E = 1.4426950408889634
 
 

@@ -12,3 +12,5 @@ from hkernels.ops import cross_entropy
 from hkernels.runtime import chunked as _chunked
 
 fused_linear_cross_entropy_fwd, fused_linear_cross_entropy_bwd = _chunked.backend_functions(cross_entropy)
+# traced at a symbolic token count, as the cross-entropy kernel is (the chunk loop: ``_chunked.chunk_bounds``)
+SYMBOLIC = frozenset({"fused_linear_cross_entropy_fwd", "fused_linear_cross_entropy_grad", "loss_grad_scale_"})

@@ -26,6 +26,8 @@ import torch
 from hkernels.ops.swiglu import bind, int64_twin
 
 Tensor = torch.Tensor
+# traced at a symbolic row count (see hkernels/ops/rms_norm.py)
+SYMBOLIC = frozenset({"geglu_fwd", "geglu_bwd"})
 
 TWO_SQRT_2_OVER_PI = 1.5957691216057308  # 2·√(2/π): σ's argument is 2z
 TWO_SQRT_2_OVER_PI_X3C = 0.21406444881780076  # 2·√(2/π)·3·0.044715, in d(2z)/dg

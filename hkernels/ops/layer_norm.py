@@ -22,6 +22,8 @@ from hkernels.ops import _helion
 from hkernels.ops._partials import lazy_sum_partials
 
 Tensor = torch.Tensor
+# traced at a symbolic row count (see hkernels/ops/rms_norm.py)
+SYMBOLIC = frozenset({"layer_norm_fwd", "layer_norm_bwd"})
 MAX_RESIDENT_FWD = 32768
 MAX_RESIDENT_BWD = 8192
 
@@ -98,13 +100,13 @@ def _layer_norm_bwd(
     mean: Tensor,
     rstd: Tensor,
     rows_per_program: int,
+    programs: int,
     with_bias: hl.constexpr,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R), reads dy and x once, writes dx, and keeps
-    # its share of dw and db in registers; returns dx and the partials [programs, N] float32.
+    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R) (none past M), reads dy and x once, writes
+    # dx, and keeps its share of dw and db in registers; returns dx and the partials [programs, N] float32.
     m, n = x.size()
     n = hl.specialize(n)
-    programs = (m + rows_per_program - 1) // rows_per_program
     dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
     db_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
@@ -160,13 +162,13 @@ def _layer_norm_bwd_looped(
     c1: Tensor,
     c2: Tensor,
     rows_per_program: int,
+    groups: int,
     with_bias: hl.constexpr,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # Long rows, step 2 of 2: program (row group, column block) reads dy and x again, writes dx, and sums its
     # rows' share of dw and db for its columns.
     m, n = x.size()
     n = hl.specialize(n)
-    groups = (m + rows_per_program - 1) // rows_per_program
     dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
     db_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
@@ -238,23 +240,25 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
     sum_db = lazy_sum_partials() if bias is not None else None
     dot = None
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, device, _helion.programs_per_sm("_layer_norm_bwd", N, device, x.dtype))
-        fn, launcher = _helion.bind(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, with_bias), N, device)
+        rows, programs = _helion.persistent(M, device, _helion.programs_per_sm("_layer_norm_bwd", N, device, x.dtype))
+        fn, launcher = _helion.bind(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, programs, with_bias), N,
+                                    device)
     else:
         dot, dot_launcher = _helion.bind(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, device)
         block_n = _helion.config_for("_layer_norm_bwd_looped", N, device, x.dtype).block_sizes[0]
-        rows = _helion.rows_per_group(M, N, block_n, device)
+        rows, programs = _helion.row_groups(M, N, block_n, device)
         c1, c2 = (torch.empty(M, dtype=torch.float32, device=device) for _ in range(2))  # the dot's, for binding
-        fn, launcher = _helion.bind(_layer_norm_bwd_looped, (dy, x, weight, mean, rstd, c1, c2, rows, with_bias), N,
-                                    device)
+        fn, launcher = _helion.bind(_layer_norm_bwd_looped,
+                                    (dy, x, weight, mean, rstd, c1, c2, rows, programs, with_bias), N, device)
 
     def run(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if dot is None:
-            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, rows, with_bias, _launcher=launcher)
+            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, rows, programs, with_bias, _launcher=launcher)
         else:
             c1, c2 = dot(dy, x, weight, mean, rstd, _launcher=dot_launcher)
-            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, c1, c2, rows, with_bias, _launcher=launcher)
+            dx, dw_part, db_part = fn(dy, x, weight, mean, rstd, c1, c2, rows, programs, with_bias,
+                                      _launcher=launcher)
         dw = sum_dw(dw_part, weight) if sum_dw is not None else None
         db = sum_db(db_part, bias) if sum_db is not None else None
         return dx, dw, db

@@ -27,6 +27,8 @@ from hkernels.runtime.device import cdiv, num_sms
 from triton_fallback.qk_norm_rope import outputs
 
 Tensor = torch.Tensor
+# The custom ops whose launches these host functions record at a symbolic length (see hkernels/ops/rms_norm.py).
+SYMBOLIC = frozenset({"qk_norm_rope_fwd", "qk_norm_rope_bwd"})
 
 
 @helion.kernel(static_shapes=False)
@@ -55,14 +57,14 @@ def _qk_norm_rope_fwd(
 
 @helion.kernel(static_shapes=False)
 def _qk_norm_rope_bwd(
-    dy: Tensor, x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor, dx: Tensor, chunk: int
+    dy: Tensor, x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor, dx: Tensor, chunk: int, split: int
 ) -> Tensor:
     # dy, x, dx: [B, H, S, 2, D/2]; w: [2, D/2]; cos, sin: [B, S, 2, D/2]; rstd: [B, H, S].
-    # Program (batch, head, g) walks positions [g·chunk, (g + 1)·chunk) block by block: reads dy, x and rstd once,
-    # writes dx, and keeps its share of dw in registers; returns the dw partials [B, H, programs, 2, D/2].
+    # Program (batch, head, g < split) walks positions [g·chunk, (g + 1)·chunk) (none past S) block by block:
+    # reads dy, x and rstd once, writes dx, and keeps its share of dw in registers; returns the dw partials
+    # [B, H, split, 2, D/2].
     b, h, s, _, half = x.size()
     half = hl.specialize(half)
-    split = (s + chunk - 1) // chunk
     dw_part = torch.empty([b, h, split, 2, half], dtype=torch.float32, device=x.device)
     for tile_b, tile_h, tile_g in hl.tile([b, h, split], block_size=[1, 1, 1]):
         acc1 = hl.zeros([half], dtype=torch.float32)
@@ -117,6 +119,7 @@ def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Ten
               ) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The forward for arguments of this signature: ``run(q, k, q_weight, k_weight, cos, sin, eps)``."""
     B, _, S, D = q.shape
+    D = int(D)  # (the head dim the kernels specialise on: a constant of a graph with every size symbolic)
     device = q.device
     qo, ko, rq, rk = outputs(q, k)
     if B * S == 0:
@@ -138,9 +141,15 @@ def _bind_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Ten
     return run
 
 
-def _chunk(S: int, B: int, H: int, device: torch.device) -> int:
-    """Positions per backward program: about four programs per multiprocessor in all."""
-    return cdiv(S, max(1, min(S, cdiv(4 * num_sms(device), B * H))))
+def _chunk(S: int, B: int, H: int, device: torch.device) -> tuple[int, int]:
+    """(positions per backward program, programs per head): about four programs per multiprocessor in all. For a
+    symbolic length (a compiled graph's varying one) a constant count of programs per head, each walking a share
+    of the length (a program past it loops zero times and writes a zero partial): no guard on S."""
+    split = max(1, cdiv(4 * num_sms(device), (B if type(B) is int else 1) * int(H)))
+    if type(S) is not int:
+        return cdiv(S, split), split
+    chunk = cdiv(S, max(1, min(S, split)))
+    return chunk, cdiv(S, chunk)
 
 
 def _bind_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor,
@@ -148,6 +157,7 @@ def _bind_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Te
     """The backward for arguments of this signature: ``run(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin,
     rstd_q, rstd_k) -> (dq, dk, dq_weight, dk_weight)``."""
     B, _, S, D = q.shape
+    D = int(D)  # (the head dim the kernels specialise on: a constant of a graph with every size symbolic)
     device = q.device
     if B * S == 0:
         def empty(*args: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -159,15 +169,15 @@ def _bind_bwd(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Te
     bound = []
     for dy, x, w, rstd in ((dq_out, q, q_weight, rstd_q), (dk_out, k, k_weight, rstd_k)):
         dx = torch.empty((B, x.shape[1], S, D), dtype=x.dtype, device=device)
-        chunk = _chunk(S, B, x.shape[1], device)
+        chunk, split = _chunk(S, B, x.shape[1], device)
         fn, launcher = _helion.bind(_qk_norm_rope_bwd, (_halves(dy), _halves(x), _weight(w), c4, s4, rstd,
-                                                        _halves(dx), chunk), D, device, _blocks(S))
-        bound.append((fn, launcher, chunk))
+                                                        _halves(dx), chunk, split), D, device, _blocks(S))
+        bound.append((fn, launcher, chunk, split))
 
     def one(i: int, dy: Tensor, x: Tensor, w: Tensor, c4: Tensor, s4: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-        fn, launcher, chunk = bound[i]
+        fn, launcher, chunk, split = bound[i]
         dx = torch.empty((B, x.shape[1], S, D), dtype=x.dtype, device=device)
-        part = fn(_halves(dy), _halves(x), _weight(w), c4, s4, rstd, _halves(dx), chunk, _launcher=launcher)
+        part = fn(_halves(dy), _halves(x), _weight(w), c4, s4, rstd, _halves(dx), chunk, split, _launcher=launcher)
         return dx, part.sum((0, 1, 2)).reshape(D).to(w.dtype)
 
     def run(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor,

@@ -29,6 +29,10 @@ from hkernels.ops._partials import lazy_sum_partials
 Tensor = torch.Tensor
 MAX_RESIDENT_BWD = 8192
 
+# The custom ops whose launches these host functions record with a symbolic row count (a compiled graph whose
+# length varies): configs by N alone, a persistent grid of a constant count of programs (see ``_helion.persistent``).
+SYMBOLIC = frozenset({"rms_norm_fwd", "rms_norm_bwd"})
+
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_fwd(
@@ -59,14 +63,14 @@ def _rms_norm_fwd(
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int,
+    programs: int,
 ) -> tuple[Tensor, Tensor]:
-    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R), reads dy and x once, writes dx, and keeps
-    # its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32. With ds
-    # (add_rms_norm: the gradient that reaches x directly) it also reads ds and adds it to dx before rounding.
+    # Resident rows, persistent: program g walks rows [g·R, (g+1)·R) (none past M), reads dy and x once, writes
+    # dx, and keeps its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32.
+    # With ds (add_rms_norm: the gradient that reaches x directly) it also reads ds and adds it to dx.
     m, n = x.size()
     n = hl.specialize(n)
-    programs = (m + rows_per_program - 1) // rows_per_program
     dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
     for g in hl.grid(programs):
@@ -105,13 +109,13 @@ def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd_looped(
-    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int,
+    groups: int,
 ) -> tuple[Tensor, Tensor]:
     # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again (and ds, once), writes dx,
     # and sums its rows' share of dw for its columns.
     m, n = x.size()
     n = hl.specialize(n)
-    groups = (m + rows_per_program - 1) // rows_per_program
     dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
     for tile_g, tile_n in hl.tile([groups, n], block_size=[1, None]):
@@ -182,24 +186,24 @@ def bind_bwd(
         return run_one_row
     sum_dw = lazy_sum_partials() if weight is not None else None
     if N <= MAX_RESIDENT_BWD:
-        rows = _helion.rows_per_program(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
-        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, rows), N, device)
+        rows, programs = _helion.persistent(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
+        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, rows, programs), N, device)
 
         def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
                 ) -> tuple[Tensor, Tensor | None]:
-            dx, dw_part = fn(dy, ds, x, weight, rstd, rows, _launcher=launcher)
+            dx, dw_part = fn(dy, ds, x, weight, rstd, rows, programs, _launcher=launcher)
             return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
         return run
     dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight), N, device)
     block_n = _helion.config_for(looped.name, N, device, x.dtype).block_sizes[0]
-    groups = _helion.rows_per_group(M, N, block_n, device)
+    rows, groups = _helion.row_groups(M, N, block_n, device)
     c = torch.empty(M, dtype=torch.float32, device=device)  # an example of the dot's output, for binding
-    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, groups), N, device)
+    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, rows, groups), N, device)
 
     def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
                    ) -> tuple[Tensor, Tensor | None]:
         c = dot(dy, x, weight, _launcher=dot_launcher)
-        dx, dw_part = fn(dy, ds, x, weight, rstd, c, groups, _launcher=launcher)
+        dx, dw_part = fn(dy, ds, x, weight, rstd, c, rows, groups, _launcher=launcher)
         return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
     return run_looped
 

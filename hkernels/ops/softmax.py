@@ -27,6 +27,15 @@ Tensor = torch.Tensor
 MAX_RESIDENT_FWD = 32768
 MAX_RESIDENT_BWD = 16384
 
+# The custom ops whose launches these host functions record at a symbolic row count (see hkernels/ops/rms_norm.py),
+# for resident rows (symbolic_ok): the split kernels' walk is planned from the row count.
+SYMBOLIC = frozenset({"softmax_fwd", "softmax_bwd"})
+
+
+def symbolic_ok(name: str, tensors: tuple[Tensor, ...]) -> bool:
+    """Whether the call of custom op ``name`` on ``tensors`` traces at a symbolic length: its rows are resident."""
+    return int(tensors[0].shape[-1]) <= (MAX_RESIDENT_BWD if name == "softmax_bwd" else MAX_RESIDENT_FWD)
+
 
 @helion.kernel(static_shapes=False)
 def _softmax_fwd(x: Tensor, like: Tensor) -> Tensor:

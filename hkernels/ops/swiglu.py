@@ -28,6 +28,8 @@ import torch
 from hkernels.ops import _helion
 
 Tensor = torch.Tensor
+# traced at a symbolic row count (see hkernels/ops/rms_norm.py)
+SYMBOLIC = frozenset({"swiglu_fwd", "swiglu_bwd"})
 _INT32_MAX = 2**31 - 1
 
 
