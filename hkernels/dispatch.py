@@ -487,7 +487,8 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
     """(backend, why) for ``op``'s function ``fn`` traced into a compiled graph. A named request runs as in eager.
     Under auto: torch (Inductor's own generated kernel) where the table's ``compiled:<op>`` buckets measured it
     faster inside a graph (``python -m bench auto-table`` over ``auto_compile`` and ``torch_compile`` rows), or for
-    CPU tensors; else the kernel auto runs eagerly, its launches traced for Inductor to make. In interpret mode
+    CPU tensors; else the kernel auto runs eagerly, its launches traced for Inductor to make; at a symbolic length,
+    Triton where it traces there, then Helion where it does (``takes_symbolic``). In interpret mode
     only torch is traced (interpreted kernels cannot be); the other backends keep the op opaque
     (see :func:`hkernels.functional._base.traced`)."""
     if request != "auto":
@@ -499,11 +500,13 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
     backend, why = select(op, request, tensors, fn)
-    if backend != "torch" and _symbolic(tensors) and not takes_symbolic(op, backend, fn, tensors):
-        # a length that varies: the kernel backend that traces at any length (by static dims), where one does
-        other = "triton" if backend == "helion" else "helion"
-        if unavailable_reason(op, other, tensors, fn) is None and takes_symbolic(op, other, fn, tensors):
-            return other, f"auto: {other} traces at a symbolic length ({backend} would stay opaque)"
+    if backend == "helion" and _symbolic(tensors) and unavailable_reason(op, "triton", tensors, fn) is None \
+            and takes_symbolic(op, "triton", fn, tensors):
+        # a length that varies: Triton's traced kernels, the ones the results measure at a symbolic length
+        return "triton", "auto: triton traces at a symbolic length (its traced kernels are the measured ones)"
+    if backend == "triton" and _symbolic(tensors) and not takes_symbolic(op, backend, fn, tensors) \
+            and unavailable_reason(op, "helion", tensors, fn) is None and takes_symbolic(op, "helion", fn, tensors):
+        return "helion", "auto: helion traces at a symbolic length (triton would stay opaque)"
     return backend, why
 
 

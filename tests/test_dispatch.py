@@ -854,9 +854,9 @@ def test_auto_routes_windowed_attention_by_its_own_buckets(user_auto_table, monk
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret mode's routing (CPU tensors); a GPU runs the "
                     "compiled five-length tests instead")
 def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
-    """Inside a graph, under auto, a call whose row count is symbolic goes to a kernel backend that traces it at any
-    length (its module's SYMBOLIC), not to one that would keep it opaque; the same call at a static length is
-    routed as before."""
+    """Inside a graph, under auto, a call whose row count is symbolic goes to Triton where it traces at any length
+    (its module's SYMBOLIC), else to Helion where it does, never to one that would keep it opaque; the same call at
+    a static length is routed as before, and a backend asked for by name is kept."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -877,9 +877,10 @@ def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
     for backend in ("triton", "helion"):
         assert dispatch.takes_symbolic("softmax", backend, "softmax_fwd", (x,))  # rows kept in registers
         assert not dispatch.takes_symbolic("softmax", backend, "softmax_fwd", (long_rows,))  # split rows: opaque
-    assert dispatch.select_compiled("rms_norm", "auto", (x, w), "rms_norm_fwd")[0] == "helion"
-    backend, why = dispatch.select_compiled("rope", "auto", (q, k, cos, cos), "rope_fwd")
-    assert backend == "triton", why
+    for op, args in (("rms_norm", (x, w)), ("rope", (q, k, cos, cos))):  # (Helion traces the first, not the second)
+        backend, why = dispatch.select_compiled(op, "auto", args, f"{op}_fwd")
+        assert backend == "triton", why
+    assert dispatch.select_compiled("rms_norm", "helion", (x, w), "rms_norm_fwd")[0] == "helion"  # (asked for)
     assert dispatch.select_compiled("rope", "auto", static, "rope_fwd")[0] == "helion"
     assert dispatch.select_compiled("softmax", "auto", (long_rows,), "softmax_fwd")[0] == "helion"  # (opaque)
     assert not [str(g.expr) for g in env.guards if g.expr.free_symbols]  # routing read nothing of the length

@@ -377,18 +377,23 @@ def _symbolic_stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _specialize_as(bound: Any, args: tuple[Any, ...]) -> None:
-    """Every size the kernel specialises (``hl.specialize``: a hidden size, a head dim) made a constant of the graph
-    too, where it is symbolic there (``dynamic=True`` makes every size so): a guard, so that another value is
-    another graph, never this binding's code."""
-    def concrete(v: Any) -> None:
-        if isinstance(v, torch.SymInt):
-            int(v)
-        elif isinstance(v, (tuple, list)):
-            for e in v:
-                concrete(e)
+    """Every size or stride the kernel specialises on (``hl.specialize``: a hidden size, a head dim) made a constant
+    of the graph too, where it is symbolic there (``dynamic=True`` makes every size so): a guard, so that another
+    value is another graph, never this binding's code. Only those: what else Helion keys a binding by (the layouts a
+    TMA descriptor needs) does not concern the pointer code a graph runs, and reading it would fix the length."""
+    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 
-    for extract in bound._specialize_extra():
-        concrete(extract(args))
+    env = bound.env
+    position = {name: i for i, name in enumerate(bound.kernel.signature.parameters)}
+    sources = [env.shape_env.var_to_sources[v][0] for v in env.specialized_vars if env.shape_env.var_to_sources.get(v)]
+    for source in (*sources, *env.specialized_strides):
+        if not (isinstance(source, TensorPropertySource) and isinstance(source.base, LocalSource)
+                and source.base.local_name in position and source.idx is not None):
+            raise RuntimeError(f"{bound.kernel.name}: a specialisation hkernels cannot map to an argument ({source})")
+        tensor = args[position[source.base.local_name]]
+        value = tensor.size(source.idx) if source.prop == TensorProperty.SIZE else tensor.stride(source.idx)
+        if isinstance(value, torch.SymInt):
+            int(value)
 
 
 def _detached(a: Any) -> Any:
