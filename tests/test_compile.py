@@ -510,6 +510,42 @@ def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
     assert grids[1][0] == 8 * grids[0][0] and grids[2] == grids[0], grids
 
 
+def test_a_traced_helion_launch_at_a_symbolic_length_is_bound_once(monkeypatch):
+    """At a symbolic row count Helion binds code that serves every length, once per shape pattern: a second graph
+    (its own shape environment, its own symbols) reuses it, its launch's grid follows that graph's length, and
+    nothing is guarded on the length but whether a tensor spans past 32-bit offsets."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from hkernels.ops import _helion
+    from hkernels.ops import rms_norm as helion_rms_norm
+    from hkernels.runtime import launch as _launch
+    from hkernels.runtime import plan as _plan
+
+    grids: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_launch, "traced", lambda kernel, grid, args, meta: grids.append(tuple(grid)))
+    monkeypatch.setattr(_launch, "float32_scalars", lambda kernel, args: kernel)  # (interpreted kernels: no twin)
+    bindings = []
+    real = _helion._symbolic_stand_ins
+    monkeypatch.setattr(_helion, "_symbolic_stand_ins", lambda args: bindings.append(1) or real(args))
+    symbols = []
+    for hint in (64, 512):
+        env = ShapeEnv()
+        rows = env.create_symintnode(env.create_symbol(hint, ConstantSource(f"rows{hint}"),
+                                                       dynamic_dim=DimDynamic.DYNAMIC), hint=hint)
+        with FakeTensorMode(shape_env=env):
+            x, w = torch.empty(rows, 128, dtype=torch.float32), torch.empty(128, dtype=torch.float32)
+            with _plan.tracing():
+                helion_rms_norm.rms_norm_fwd(x, w, 1e-6)
+        symbols.append(rows.node.expr)
+        guards = [str(g.expr) for g in env.guards if g.expr.free_symbols]
+        assert all("2147483647" in g for g in guards), guards
+        assert not env.replacements, env.replacements
+    assert len(bindings) == 1, "bound again for a second graph"
+    assert [g[0].node.expr.free_symbols for g in grids] == [{symbols[0]}, {symbols[1]}], grids
+
+
 @pytest.mark.parametrize("op,n", [("rms_norm", 96), ("rms_norm", 8200), ("layer_norm", 96), ("add_rms_norm", 96)])
 def test_a_persistent_helion_backward_with_programs_past_the_rows(op, n, monkeypatch, device):
     """At a symbolic length the norms' persistent Helion backwards launch a constant count of programs (the dw

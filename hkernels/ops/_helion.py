@@ -157,12 +157,15 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
     the shipped blocks do not suit): Helion's generated host function."""
     # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
     n = int(n)  # (a static dim: a graph with every size symbolic takes it as a constant)
+    symbolic = _plan.TRACING > 0 and _has_symbols(args)
     key: tuple[Any, ...] | None = (kernel, n, block_sizes, _plan.TRACING > 0, _aliases(args),
-                                   *[_arg_key(a) for a in args])
+                                   *(_symbolic_key(args) if symbolic else [_arg_key(a) for a in args]))
     try:
         fn = _compiled.get(key)
     except TypeError:  # an unhashable argument: no fast path for this call
         key, fn = None, None
+    if fn is not None and symbolic:  # (the code serves this graph too: its specialised sizes made constants here)
+        _specialize(args, _specialised[key])
     if fn is None:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         config = config_for(kernel.name, n, device, dtype)
@@ -181,10 +184,12 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         fn = _code_load(disk) if disk is not None else None
         if fn is None:
             with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
-                if tracing and _has_symbols(args):  # (a length that varies: code for every value it takes,
-                    # bound anew for each graph traced, as the key above cannot hold a symbol)
+                if symbolic:  # (a length that varies: code for every value it takes)
                     bound = kernel._bind_isolated(_symbolic_stand_ins(args))
-                    _specialize_as(bound, args)
+                    specs = _specialised_by(bound)
+                    _specialize(args, specs)
+                    if key is not None:
+                        _specialised[key] = specs
                 elif tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
                     made: dict[int, Any] = {}
                     stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
@@ -376,22 +381,53 @@ def _symbolic_stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _specialize_as(bound: Any, args: tuple[Any, ...]) -> None:
-    """Every size or stride the kernel specialises on (``hl.specialize``: a hidden size, a head dim) made a constant
-    of the graph too, where it is symbolic there (``dynamic=True`` makes every size so): a guard, so that another
-    value is another graph, never this binding's code. Only those: what else Helion keys a binding by (the layouts a
-    TMA descriptor needs) does not concern the pointer code a graph runs, and reading it would fix the length."""
+def _symbolic_key(args: tuple[Any, ...]) -> list[Any]:
+    """What a binding on :func:`_symbolic_stand_ins` follows from: per tensor its dtype, device, sizes and strides
+    with each symbolic one the index of its expression among those of the call (so that the same sizes give the
+    same key in every graph, whatever its symbols are named), and whether it spans past 32-bit offsets (a guard,
+    as there); a SymInt argument as a symbol (Helion binds an int as one); anything else as itself."""
+    seen: dict[Any, int] = {}
+
+    def dim(v: Any) -> Any:
+        return ("s", seen.setdefault(v.node.expr, len(seen))) if isinstance(v, torch.SymInt) else v
+
+    key: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.device, tuple(dim(v) for v in a.shape), tuple(dim(v) for v in a.stride()),
+                        bool(a.numel() > 2**31 - 1)))
+        else:
+            key.append(dim(a) if isinstance(a, torch.SymInt) else _arg_key(a))
+    return key
+
+
+# Per symbolic key (see compiled): the sizes and strides its binding specialises on, as (argument, size?, dim).
+_specialised: dict[tuple[Any, ...], tuple[tuple[int, bool, int], ...]] = {}
+
+
+def _specialised_by(bound: Any) -> tuple[tuple[int, bool, int], ...]:
+    """The sizes and strides the kernel specialises on (``hl.specialize``: a hidden size, a head dim), as (argument,
+    size?, dim). Only those: what else Helion keys a binding by (the layouts a TMA descriptor needs) does not
+    concern the pointer code a graph runs, and reading it would fix the length."""
     from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 
     env = bound.env
     position = {name: i for i, name in enumerate(bound.kernel.signature.parameters)}
     sources = [env.shape_env.var_to_sources[v][0] for v in env.specialized_vars if env.shape_env.var_to_sources.get(v)]
+    found = []
     for source in (*sources, *env.specialized_strides):
         if not (isinstance(source, TensorPropertySource) and isinstance(source.base, LocalSource)
                 and source.base.local_name in position and source.idx is not None):
             raise RuntimeError(f"{bound.kernel.name}: a specialisation hkernels cannot map to an argument ({source})")
-        tensor = args[position[source.base.local_name]]
-        value = tensor.size(source.idx) if source.prop == TensorProperty.SIZE else tensor.stride(source.idx)
+        found.append((position[source.base.local_name], source.prop == TensorProperty.SIZE, source.idx))
+    return tuple(found)
+
+
+def _specialize(args: tuple[Any, ...], specs: tuple[tuple[int, bool, int], ...]) -> None:
+    """Each size or stride of ``specs`` made a constant of the graph where it is symbolic there (``dynamic=True``
+    makes every size so): a guard, so that another value is another graph, never this binding's code."""
+    for i, size, d in specs:
+        value = args[i].size(d) if size else args[i].stride(d)
         if isinstance(value, torch.SymInt):
             int(value)
 
