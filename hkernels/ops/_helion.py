@@ -212,6 +212,9 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         if key is not None:
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
+                _specialised.clear()
+                if symbolic:
+                    _specialised[key] = specs
             _compiled[key] = fn
     return fn
 
