@@ -110,15 +110,15 @@ def _apply_helion(candidate: Candidate) -> Callable[[], None]:
 
     from hkernels.ops import _helion
 
-    saved = (_helion.config_for, _helion.rows_per_program)
+    saved = (_helion.config_for, _helion.persistent)
     config = helion.Config(**{k: v for k, v in candidate.items() if k != "per_sm"})
     _helion.config_for = lambda kernel, n, device, dtype=None: config
     if "per_sm" in candidate:
-        _helion.rows_per_program = lambda m, device, per_sm=2: saved[1](m, device, candidate["per_sm"])
+        _helion.persistent = lambda m, device, per_sm=2: saved[1](m, device, candidate["per_sm"])
     _helion._compiled.clear()  # compiled functions are kept by arguments, not by config
 
     def undo() -> None:
-        _helion.config_for, _helion.rows_per_program = saved
+        _helion.config_for, _helion.persistent = saved
         _helion._compiled.clear()
 
     return undo

@@ -15,13 +15,7 @@ _interpret.setup()
 
 # ops: the Helion kernels' package, callable (hkernels.ops() lists the ops); nn: modules over the ops
 from hkernels import nn, ops  # noqa: E402
-from hkernels.dispatch import (  # noqa: E402
-    BackendUnavailableError,
-    HKernelsFallbackWarning,
-    backends,
-    selected_backend,
-    use_backend,
-)
+from hkernels.fallback import BackendUnavailableError, HKernelsFallbackWarning  # noqa: E402
 from hkernels.functional import references  # noqa: E402
 from hkernels.functional._base import trace_all  # noqa: E402
 from hkernels.functional.add_rms_norm import add_rms_norm  # noqa: E402
@@ -41,7 +35,9 @@ from hkernels.functional.rope import rope  # noqa: E402
 from hkernels.functional.softmax import softmax  # noqa: E402
 from hkernels.functional.swiglu import swiglu  # noqa: E402
 from hkernels.hub import kernelize  # noqa: E402  (the same through transformers' kernel hooks)
+from hkernels.introspect import backends, selected_backend  # noqa: E402
 from hkernels.patch import patch, unpatch  # noqa: E402  (hkernels.patch(model) swaps them into a model)
+from hkernels.requests import use_backend  # noqa: E402
 from hkernels.warmup import warmup  # noqa: E402  (a server's first calls, paid at start)
 
 trace_all()  # every op's custom ops visible to torch.compile (traced into the graph, not called back)

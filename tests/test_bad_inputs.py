@@ -471,7 +471,7 @@ def _break_helion_compiles(monkeypatch) -> None:
     (hkernels/ops/_helion.py's compiled, rope's ``_compiled_for``). Auto's measured table is set aside, so auto picks
     Helion first: a GPU's table may pick Triton (sm90's does for matmul, small rope and small linear-CE calls), where no
     Helion kernel would run and nothing would be tested."""
-    from hkernels import dispatch
+    from hkernels import configs, dispatch
     from hkernels.ops import _helion, rope
 
     def broken(*args, **kwargs):
@@ -479,8 +479,8 @@ def _break_helion_compiles(monkeypatch) -> None:
 
     monkeypatch.setattr(_helion, "compiled", broken)
     monkeypatch.setattr(rope, "_compiled_for", broken)
-    monkeypatch.setattr(dispatch, "_bucket", lambda op, tensors, fn=None: None)
-    dispatch._forget_routes()  # routes remembered from the table would skip the patched _bucket
+    monkeypatch.setattr(configs, "auto_bucket", lambda op, tensors, fn=None: None)
+    dispatch._forget_routes()  # routes remembered from the table would skip the patched auto_bucket
 
 
 _KERNELS = {"kv seq": 7}  # attention with one key runs no kernel (its answer is written out): give it seven

@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hkernels.runtime",),
-    ("triton_fallback", "hkernels.configs", "hkernels.registry"),
-    ("hkernels.dispatch",),
+    ("triton_fallback", "hkernels.configs", "hkernels.registry", "hkernels.requests"),
+    ("hkernels.dispatch", "hkernels.fallback", "hkernels.introspect"),
     ("hkernels.functional",),
     ("hkernels.ops",),
     ("hkernels.nn", "hkernels.patch", "hkernels.hub", "hkernels.tune", "hkernels.warmup", "hkernels"),

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # The user cache and a device's arch live at the bottom of the import order, where the Triton launchers read them too.
+from hkernels.runtime import interpret as _interpret
 from hkernels.runtime.device import cache_dir, clear_memos, cuda_arch
 
-__all__ = ["DEFAULT_ARCH", "auto_table", "cache_dir", "cuda_arch", "helion_table", "on_reload", "reload"]
+__all__ = ["DEFAULT_ARCH", "auto_bucket", "auto_table", "cache_dir", "cuda_arch", "helion_table", "on_reload", "reload",
+           "routed_tensor", "shape_key"]
 
 DEFAULT_ARCH = "sm90"
 
@@ -96,3 +102,51 @@ def reload() -> None:
         helion_runner._config.cache_clear()
         helion_runner._compiled.clear()
         helion_runner._replays.clear()
+
+
+# ------------------------------------------------------------------------------ the auto table's bucket of a call
+
+
+def shape_key(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(rows, n) of a call as the auto table buckets it: the last dim of its first tensor of 2 or more dims (of its
+    first tensor when none has 2) and that tensor's other elements. A loss's backward passes its per-row factors
+    [T] before the gradient [T, V]: it is bucketed by [T, V], as its forward is, not by rows of T elements."""
+    t = routed_tensor(tensors)
+    n = t.shape[-1] if t.dim() else 1
+    rows = t.numel() // n if n else 0
+    # (a symbolic row count: the buckets for any number of rows, with no guard on it)
+    return (rows if type(rows) is int else sys.maxsize), n
+
+
+def routed_tensor(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The first tensor of 2 or more dims (the first tensor when none has 2): what a call is bucketed by."""
+    for t in tensors:
+        if t.dim() >= 2:
+            return t
+    return tensors[0]
+
+
+def auto_bucket(op: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(arch, the auto-table bucket covering this call) or None (CPU tensors, or nothing measured). A table may
+    give one of an op's functions buckets of its own (key ``"<op>:<fn>"``, e.g. attention's forward, measured
+    alone, where the op's buckets sum forward and forward+backward); the user's tuned buckets still come first."""
+    t = tensors[0]
+    if t.is_cuda:
+        arch = cuda_arch(t.device)
+    elif _interpret.enabled():
+        arch = "interpret"  # nothing shipped; a user table there lets the tests exercise this path on a CPU
+    else:
+        return None
+    table = auto_table(arch)
+    buckets = table.get(op, ())
+    own = table.get(f"{op}:{fn}", ()) if fn is not None else ()
+    if own:
+        buckets = tuple(b for source in ("tuned", "shipped") for b in (*own, *buckets) if b["source"] == source)
+    if not buckets:
+        return None
+    rows, n = shape_key(tensors)
+    for bucket in buckets:
+        if (bucket["max_rows"] is None or rows <= bucket["max_rows"]) and (
+                bucket["max_n"] is None or n <= bucket["max_n"]) and n >= bucket.get("min_n", 0):
+            return arch, bucket
+    return None

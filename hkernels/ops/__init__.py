@@ -12,7 +12,7 @@ import types
 
 class _CallablePackage(types.ModuleType):
     def __call__(self) -> list[str]:
-        from hkernels.dispatch import ops
+        from hkernels.requests import ops
 
         return ops()
 

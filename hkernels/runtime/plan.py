@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 
@@ -159,3 +160,40 @@ def outside(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         c.slots, c.i, c.recording = saved
+
+
+# ---------------------------------------------------------------- binders: a backend function set up per signature
+
+
+def bind(module: ModuleType, fn: str, args: tuple[Any, ...], plain: bool = False) -> Callable[..., Any] | None:
+    """The backend function's binding for these arguments, or None (no binder: a replaced function, such as a test's
+    spy, has none; or binding failed, which the unbound function does not). ``plain``: a backend whose functions
+    keep nothing per signature (torch): the function is its own binding, so the one-step paths take it too."""
+    function = getattr(module, fn)
+    binder = getattr(function, "bind", None)
+    if binder is None:
+        if not plain:
+            return None
+        binder = lambda *_: function
+    try:
+        bound = binder(*args)
+    except Exception:  # the call itself ran: keep running it unbound
+        return None
+    try:
+        bound.hk_module = module  # which backend it is of (a caller may bind the same function with other options)
+    except AttributeError:
+        return None
+    return bound
+
+
+def rebind(bound: Callable[..., Any], fn: str, *args: Any, **options: Any) -> Callable[..., Any] | None:
+    """``fn`` of the backend ``bound`` (a bound function of the dispatcher's ``run``) bound again for ``args`` with
+    ``options`` (e.g. ``stats=False``), or None where its binder does not take them."""
+    module = getattr(bound, "hk_module", None)
+    binder = getattr(getattr(module, fn, None), "bind", None)
+    if binder is None:
+        return None
+    try:
+        return binder(*args, **options)
+    except Exception:
+        return None
