@@ -100,12 +100,13 @@ def _bind_fwd_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: flo
             y, s, rstd = two(x.expand(2, N), residual.expand(2, N), weight, eps)
             return y[:1], s[:1], rstd[:1]
         return run_one_row
-    s = torch.empty((M, N), dtype=dtype, device=device)  # an example of the sum's buffer, for binding
-    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s), N, device)
+    s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
+    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s, rms_norm.stats_like(x)), N, device)
 
     def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
         s = torch.empty((M, N), dtype=dtype, device=device)
-        y, rstd = fn(x, residual, weight, eps, s, _launcher=launcher)
+        rstd = rms_norm.stats_like(x)
+        y = fn(x, residual, weight, eps, s, rstd, _launcher=launcher)
         return y, s, rstd
     return run
 

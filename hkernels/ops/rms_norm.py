@@ -36,16 +36,15 @@ SYMBOLIC = frozenset({"rms_norm_fwd", "rms_norm_bwd"})
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_fwd(
-    x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, s: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    # x: [M, N] -> y [M, N], rstd [M]. A config with reduction_loops=[None] keeps the row in registers (one read
-    # of x); reduction_loops=[chunk] loops over it twice, for rows too long for registers. With a residual
-    # (add_rms_norm) it also reads residual [M, N], and the row normalised is x + residual rounded to x's dtype,
-    # written to s [M, N].
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, s: Tensor | None, rstd: Tensor | None
+) -> Tensor:
+    # x: [M, N] -> y [M, N], and rstd [M] float32 written where given (a backward will follow). A config with
+    # reduction_loops=[None] keeps the row in registers (one read of x); reduction_loops=[chunk] loops over it
+    # twice, for rows too long for registers. With a residual (add_rms_norm) it also reads residual [M, N], and
+    # the row normalised is x + residual rounded to x's dtype, written to s [M, N].
     m, n = x.size()
     n = hl.specialize(n)
     y = torch.empty([m, n], dtype=x.dtype, device=x.device)
-    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
         xf = x[tile_m, :].to(torch.float32)
         if residual is not None:
@@ -57,8 +56,9 @@ def _rms_norm_fwd(
         if weight is not None:
             out = out * weight[None, :].to(torch.float32)
         y[tile_m, :] = out.to(y.dtype)
-        rstd[tile_m] = r
-    return y, rstd
+        if rstd is not None:
+            rstd[tile_m] = r
+    return y
 
 
 @helion.kernel(static_shapes=False)
@@ -149,10 +149,24 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
 
 def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) -> Callable[..., Any]:
     """``run(x, weight, eps) -> (y, rstd)``, or y alone with ``stats=False``."""
-    fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None), x.shape[1], x.device)
-    if not stats:
-        return lambda x, weight, eps: fn(x, None, weight, eps, None, _launcher=launcher)[0]
-    return lambda x, weight, eps: fn(x, None, weight, eps, None, _launcher=launcher)
+    if not stats:  # (no rstd: neither allocated nor written)
+        fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, None), x.shape[1], x.device)
+        return lambda x, weight, eps: fn(x, None, weight, eps, None, None, _launcher=launcher)
+    rstd = stats_like(x)  # (an example, for binding)
+    # (Helion 1.5.0 stores to a one-row rstd as to a broadcast, every lane of the row block writing its one
+    # element, masked lanes too: a block of one row then)
+    fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, rstd), x.shape[1], x.device,
+                                (1,) if x.shape[0] == 1 else None)
+
+    def run(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        rstd = stats_like(x)
+        return fn(x, None, weight, eps, None, rstd, _launcher=launcher), rstd
+    return run
+
+
+def stats_like(x: Tensor) -> Tensor:
+    """A per-row float32 statistic of x [M, N]: rstd [M]."""
+    return torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
 
 
 def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
