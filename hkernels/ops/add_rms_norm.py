@@ -80,34 +80,31 @@ def add_rms_norm_bwd(
 
 def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, stats: bool = True
               ) -> Callable[..., Any]:
-    """``run(x, residual, weight, eps) -> (y, s, rstd)``, or (y, s) with ``stats=False``."""
-    run = _bind_fwd_stats(x, residual, weight, eps)
-    if not stats:
-        return lambda x, residual, weight, eps: run(x, residual, weight, eps)[:2]
-    return run
-
-
-def _bind_fwd_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Callable[..., Any]:
+    """``run(x, residual, weight, eps) -> (y, s, rstd)``, or (y, s) with ``stats=False`` (no rstd allocated or
+    written)."""
     M, N = x.shape
     dtype, device = x.dtype, x.device
     if M == 1:
         # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
         # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
-        two = _bind_fwd_stats(x.expand(2, N), residual.expand(2, N), weight, eps)
+        two = _bind_fwd(x.expand(2, N), residual.expand(2, N), weight, eps, stats)
 
-        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-            y, s, rstd = two(x.expand(2, N), residual.expand(2, N), weight, eps)
-            return y[:1], s[:1], rstd[:1]
+        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, ...]:
+            return tuple(t[:1] for t in two(x.expand(2, N), residual.expand(2, N), weight, eps))
         return run_one_row
     s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
-    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s, rms_norm.stats_like(x)), N, device)
+    rstd = rms_norm.stats_like(x) if stats else None
+    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s, rstd), N, device)
+    if not stats:
+        def run_no_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+            s = torch.empty((M, N), dtype=dtype, device=device)
+            return fn(x, residual, weight, eps, s, None, _launcher=launcher), s
+        return run_no_stats
 
     def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
         s = torch.empty((M, N), dtype=dtype, device=device)
         rstd = rms_norm.stats_like(x)
-        y = fn(x, residual, weight, eps, s, rstd, _launcher=launcher)
-        return y, s, rstd
+        return fn(x, residual, weight, eps, s, rstd, _launcher=launcher), s, rstd
     return run
 
 
