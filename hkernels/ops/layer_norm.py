@@ -20,6 +20,7 @@ import torch
 
 from hkernels.ops import _helion
 from hkernels.ops._partials import lazy_sum_partials
+from hkernels.ops.rms_norm import stats_like
 
 Tensor = torch.Tensor
 # traced at a symbolic row count (see hkernels/ops/rms_norm.py)
@@ -30,14 +31,14 @@ MAX_RESIDENT_BWD = 8192
 
 @helion.kernel(static_shapes=False)
 def _layer_norm_fwd(
-    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    # Resident rows: x: [M, N] -> y [M, N] in like's dtype (x's, or wider), mean [M], rstd [M]; reads x once.
+    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mean: Tensor | None,
+    rstd: Tensor | None,
+) -> Tensor:
+    # Resident rows: x: [M, N] -> y [M, N] in like's dtype (x's, or wider), and mean [M] and rstd [M] float32
+    # written where given (a backward will follow); reads x once.
     m, n = x.size()
     n = hl.specialize(n)
     y = torch.empty([m, n], dtype=like.dtype, device=x.device)
-    mean = torch.empty([m], dtype=torch.float32, device=x.device)
-    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
         xf = x[tile_m, :].to(torch.float32)
         mu = torch.sum(xf, dim=-1) / n
@@ -49,22 +50,23 @@ def _layer_norm_fwd(
         if bias is not None:
             out = out + bias[None, :].to(torch.float32)
         y[tile_m, :] = out.to(y.dtype)
-        mean[tile_m] = mu
-        rstd[tile_m] = r
-    return y, mean, rstd
+        if mean is not None:
+            mean[tile_m] = mu
+        if rstd is not None:
+            rstd[tile_m] = r
+    return y
 
 
 @helion.kernel(static_shapes=False)
 def _layer_norm_fwd_looped(
-    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+    x: Tensor, like: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mean: Tensor | None,
+    rstd: Tensor | None,
+) -> Tensor:
     # Long rows: pass 1 merges each chunk's (count, mean, M2) into the running ones (Chan et al.); pass 2 reads
-    # the row again and writes y (in like's dtype).
+    # the row again and writes y (in like's dtype); mean and rstd as the resident kernel's.
     m, n = x.size()
     n = hl.specialize(n)
     y = torch.empty([m, n], dtype=like.dtype, device=x.device)
-    mean = torch.empty([m], dtype=torch.float32, device=x.device)
-    rstd = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
         count = hl.zeros([tile_m], dtype=torch.float32)
         mu = hl.zeros([tile_m], dtype=torch.float32)
@@ -87,9 +89,11 @@ def _layer_norm_fwd_looped(
             if bias is not None:
                 out = out + bias[None, tile_n].to(torch.float32)
             y[tile_m, tile_n] = out.to(y.dtype)
-        mean[tile_m] = mu
-        rstd[tile_m] = r
-    return y, mean, rstd
+        if mean is not None:
+            mean[tile_m] = mu
+        if rstd is not None:
+            rstd[tile_m] = r
+    return y
 
 
 @helion.kernel(static_shapes=False)
@@ -216,10 +220,20 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     N = x.shape[1]
     like = _helion.like(out or x.dtype, x.device)
     kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
-    fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps), N, x.device)
-    if not stats:
-        return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, _launcher=launcher)[0]
-    return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, _launcher=launcher)
+    if not stats:  # (no mean or rstd: neither allocated nor written)
+        fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, None, None), N, x.device)
+        return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, None, None, _launcher=launcher)
+    # (Helion 1.5.0 stores to a one-row output as to a broadcast, every lane of the row block writing its one
+    # element, masked lanes too: a block of one row then; the looped kernel's row block is one already)
+    one_row = (1,) if x.shape[0] == 1 and kernel is _layer_norm_fwd else None
+    fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, stats_like(x), stats_like(x)), N, x.device,
+                                one_row)  # (examples of mean and rstd, for binding)
+
+    def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: torch.dtype | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        mean, rstd = stats_like(x), stats_like(x)
+        return fn(x, like, weight, bias, eps, mean, rstd, _launcher=launcher), mean, rstd
+    return run
 
 
 def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
