@@ -242,8 +242,8 @@ def select_compiled(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn
         return "torch", (f"auto: Inductor's own kernel measured faster inside torch.compile on {arch} "
                          f"({bucket['source']} table; {bucket.get('measured', 'no detail')})")
     backend, why = select(op, request, tensors, fn)
-    if backend == "helion" and _symbolic(tensors) and unavailable_reason(op, "triton", tensors, fn) is None \
-            and takes_symbolic(op, "triton", fn, tensors):
+    if backend == "helion" and _symbolic(tensors) and not triton_failures \
+            and unavailable_reason(op, "triton", tensors, fn) is None and takes_symbolic(op, "triton", fn, tensors):
         # a length that varies: Triton's traced kernels, the ones the results measure at a symbolic length
         return "triton", "auto: triton traces at a symbolic length (its traced kernels are the measured ones)"
     if backend == "triton" and _symbolic(tensors) and not takes_symbolic(op, backend, fn, tensors) \
@@ -313,3 +313,11 @@ def _bound_key(op: str, fn: str, request: str, args: tuple[Any, ...]) -> tuple[A
     return tuple(key)
 
 
+def __getattr__(name: str) -> Any:
+    """``backends``, ``selected_backend`` and ``Selection``, which live in ``hkernels/introspect.py`` (it imports
+    this module), still reachable here."""
+    if name in ("backends", "selected_backend", "Selection"):
+        from hkernels import introspect
+
+        return getattr(introspect, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -513,7 +513,8 @@ def test_a_traced_helion_launch_covers_the_rows_of_its_call(monkeypatch):
 def test_a_traced_helion_launch_at_a_symbolic_length_is_bound_once(monkeypatch):
     """At a symbolic row count Helion binds code that serves every length, once per shape pattern: a second graph
     (its own shape environment, its own symbols) reuses it, its launch's grid follows that graph's length, and
-    nothing is guarded on the length but whether a tensor spans past 32-bit offsets."""
+    nothing is guarded on the length but whether a tensor spans past 32-bit offsets. Where the values of the sizes
+    the code specialises on are not known to match (forgotten, or others), it is bound again."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -530,7 +531,17 @@ def test_a_traced_helion_launch_at_a_symbolic_length_is_bound_once(monkeypatch):
     real = _helion._symbolic_stand_ins
     monkeypatch.setattr(_helion, "_symbolic_stand_ins", lambda args: bindings.append(1) or real(args))
     symbols = []
-    for hint in (64, 512):
+
+    def forget_the_specialisations() -> None:
+        _helion._specialised.clear()
+
+    def other_values() -> None:  # as if the code were specialised on x's row length, to another value
+        for key in list(_helion._specialised):
+            _helion._specialised[key] = (((0, True, 1),), (129,))
+
+    for hint, before in ((64, None), (512, None), (96, forget_the_specialisations), (128, other_values)):
+        if before is not None:
+            before()
         env = ShapeEnv()
         rows = env.create_symintnode(env.create_symbol(hint, ConstantSource(f"rows{hint}"),
                                                        dynamic_dim=DimDynamic.DYNAMIC), hint=hint)
@@ -542,8 +553,9 @@ def test_a_traced_helion_launch_at_a_symbolic_length_is_bound_once(monkeypatch):
         guards = [str(g.expr) for g in env.guards if g.expr.free_symbols]
         assert all("2147483647" in g for g in guards), guards
         assert not env.replacements, env.replacements
-    assert len(bindings) == 1, "bound again for a second graph"
-    assert [g[0].node.expr.free_symbols for g in grids] == [{symbols[0]}, {symbols[1]}], grids
+    # once for the first two graphs; again where the record of what it specialises on was forgotten, or differs
+    assert len(bindings) == 3, f"{len(bindings)} bindings"
+    assert [g[0].node.expr.free_symbols for g in grids] == [{s} for s in symbols], grids
 
 
 @pytest.mark.parametrize("op,n", [("rms_norm", 96), ("rms_norm", 8200), ("layer_norm", 96), ("add_rms_norm", 96)])

@@ -89,7 +89,9 @@ def _fit(config: helion.Config, default: helion.Config) -> helion.Config:
 # Compiled kernels by exact call signature: (kernel, n, which tensor arguments are one object, then per argument
 # its dtype, device, sizes and strides, or its type and value). Finer than Helion's own binding key (which buckets
 # sizes), so a hit is always the compiled function Helion's bind would have given; it skips bind's per-call work
-# (locks, key building, guards: more host time than a decode-size kernel; see bench/results/h200/README.md).
+# (locks, key building, guards: more host time than a decode-size kernel; see bench/results/h200/README.md). A call
+# traced with symbolic sizes is keyed by their pattern instead (``_symbolic_key``), with the values of the sizes its
+# binding specialises on checked apart (``_specialised``).
 # Bounded: cleared when full.
 _compiled: dict[tuple[Any, ...], Any] = {}
 _COMPILED_MAX = 4096
@@ -164,8 +166,11 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         fn = _compiled.get(key)
     except TypeError:  # an unhashable argument: no fast path for this call
         key, fn = None, None
-    if fn is not None and symbolic:  # (the code serves this graph too: its specialised sizes made constants here)
-        _specialize(args, _specialised[key])
+    if fn is not None and symbolic:  # the code serves this graph too where the sizes it specialises on are the
+        # same: made constants of this graph; else (or its record forgotten) it is bound anew
+        found = _specialised.get(key)
+        if found is None or _specialize(args, found[0]) != found[1]:
+            fn = None
     if fn is None:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
         config = config_for(kernel.name, n, device, dtype)
@@ -187,9 +192,9 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
                 if symbolic:  # (a length that varies: code for every value it takes)
                     bound = kernel._bind_isolated(_symbolic_stand_ins(args))
                     specs = _specialised_by(bound)
-                    _specialize(args, specs)
-                    if key is not None:
-                        _specialised[key] = specs
+                    values = _specialize(args, specs)
+                    if key is not None:  # (before the function is kept: a hit always finds it)
+                        _specialised[key] = (specs, values)
                 elif tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
                     made: dict[int, Any] = {}
                     stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
@@ -214,7 +219,7 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
                 _compiled.clear()
                 _specialised.clear()
                 if symbolic:
-                    _specialised[key] = specs
+                    _specialised[key] = (specs, values)
             _compiled[key] = fn
     return fn
 
@@ -404,8 +409,9 @@ def _symbolic_key(args: tuple[Any, ...]) -> list[Any]:
     return key
 
 
-# Per symbolic key (see compiled): the sizes and strides its binding specialises on, as (argument, size?, dim).
-_specialised: dict[tuple[Any, ...], tuple[tuple[int, bool, int], ...]] = {}
+# Per symbolic key (see compiled): the sizes and strides its binding specialises on, as (argument, size?, dim), and
+# their values there.
+_specialised: dict[tuple[Any, ...], tuple[tuple[tuple[int, bool, int], ...], tuple[int, ...]]] = {}
 
 
 def _specialised_by(bound: Any) -> tuple[tuple[int, bool, int], ...]:
@@ -426,13 +432,11 @@ def _specialised_by(bound: Any) -> tuple[tuple[int, bool, int], ...]:
     return tuple(found)
 
 
-def _specialize(args: tuple[Any, ...], specs: tuple[tuple[int, bool, int], ...]) -> None:
-    """Each size or stride of ``specs`` made a constant of the graph where it is symbolic there (``dynamic=True``
-    makes every size so): a guard, so that another value is another graph, never this binding's code."""
-    for i, size, d in specs:
-        value = args[i].size(d) if size else args[i].stride(d)
-        if isinstance(value, torch.SymInt):
-            int(value)
+def _specialize(args: tuple[Any, ...], specs: tuple[tuple[int, bool, int], ...]) -> tuple[int, ...]:
+    """The values of the sizes and strides of ``specs``, each made a constant of the graph where it is symbolic there
+    (``dynamic=True`` makes every size so): a guard, so that another value is another graph, never this binding's
+    code."""
+    return tuple(int(args[i].size(d) if size else args[i].stride(d)) for i, size, d in specs)
 
 
 def _detached(a: Any) -> Any:

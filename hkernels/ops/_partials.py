@@ -43,7 +43,7 @@ def bind_sum_partials(part: Tensor, param: Tensor) -> Callable[[Tensor, Tensor],
     """``sum_partials`` for arguments of this signature, set up once (its callers bind it with their own plan)."""
     P, N = part.shape
     dtype, device = param.dtype, param.device
-    if type(P) is not int:  # a count that follows a graph's symbolic length: at least 2 rows there, never guarded
+    if type(P) is not int:  # a symbolic count (a graph with every size symbolic): at least 2 rows, never guarded
         pass
     elif N == 0 or P == 0:
         return lambda part, param: torch.zeros(N, dtype=dtype, device=device)

@@ -224,8 +224,10 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
         fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, None, None), N, x.device)
         return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, None, None, _launcher=launcher)
     # (Helion 1.5.0 stores to a one-row output as to a broadcast, every lane of the row block writing its one
-    # element, masked lanes too: a block of one row then; the looped kernel's row block is one already)
-    one_row = (1,) if x.shape[0] == 1 and kernel is _layer_norm_fwd else None
+    # element, masked lanes too: a block of one row then)
+    one_row = None
+    if x.shape[0] == 1:
+        one_row = (1, *_helion.config_for(kernel.name, N, x.device, x.dtype).block_sizes[1:])
     fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, stats_like(x), stats_like(x)), N, x.device,
                                 one_row)  # (examples of mean and rstd, for binding)
 

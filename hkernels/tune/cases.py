@@ -284,6 +284,6 @@ class Case:
         return out
 
     def rows_n(self) -> tuple[int, int]:
-        """(rows, n) of the first input: how the auto table buckets a call (see hkernels.dispatch)."""
+        """(rows, n) of the first input: how the auto table buckets a call (see hkernels.configs.shape_key)."""
         t = self.inputs[0]
         return t.numel() // t.shape[-1], t.shape[-1]
