@@ -98,6 +98,19 @@ def reason_of(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
+def _remember(op: str, reason: str, where: tuple[tuple[dict[tuple[Any, ...], str], tuple[Any, ...]], ...],
+              message: str) -> None:
+    """A fallback's failure kept (``reason`` under each (table, key) of ``where``), and its warning given once per
+    (op, reason)."""
+    with lock:
+        for table, key in where:
+            table[key] = reason
+        first = (op, reason) not in warned
+        warned.add((op, reason))
+    if first:
+        warnings.warn(message, HKernelsFallbackWarning, stacklevel=5)
+
+
 def run_helion(op: str, fn: str, request: str, module: ModuleType, tensors: tuple[torch.Tensor, ...],
                args: tuple[Any, ...], slot: int) -> tuple[Any, ModuleType]:
     """Helion runs the call; under auto, if it cannot, Triton does (the failure remembered, one warning per (op,
@@ -118,17 +131,9 @@ def run_helion(op: str, fn: str, request: str, module: ModuleType, tensors: tupl
             ) from e
         if unavailable_reason(op, "triton", tensors) is not None:
             raise
-        with lock:
-            helion_failures[signature(fn, tensors)] = reason
-            helion_failed_rows[row_signature(op, tensors)] = reason
-            first = (op, reason) not in warned
-            warned.add((op, reason))
-        if first:
-            warnings.warn(
-                f"hkernels.{op}: Helion could not run this input ({reason}); using the Triton kernel instead",
-                HKernelsFallbackWarning,
-                stacklevel=4,
-            )
+        where = ((helion_failures, signature(fn, tensors)), (helion_failed_rows, row_signature(op, tensors)))
+        _remember(op, reason, where,
+                  f"hkernels.{op}: Helion could not run this input ({reason}); using the Triton kernel instead")
         _plan.rewind(slot)  # what the failed attempt recorded
         triton = registry.load(op, "triton")
         assert not isinstance(triton, str)
@@ -162,15 +167,7 @@ def run_measured_triton(op: str, fn: str, module: ModuleType, tensors: tuple[tor
             result = getattr(helion, fn)(*args)
         except Exception:
             raise e from None
-        with lock:
-            triton_failures[signature(fn, tensors)] = reason
-            first = (op, reason) not in warned
-            warned.add((op, reason))
-        if first:
-            warnings.warn(
-                f"hkernels.{op}: the Triton kernel (measured faster here) could not run this input ({reason}); "
-                "using the Helion kernel instead",
-                HKernelsFallbackWarning,
-                stacklevel=4,
-            )
+        _remember(op, reason, ((triton_failures, signature(fn, tensors)),),
+                  f"hkernels.{op}: the Triton kernel (measured faster here) could not run this input ({reason}); "
+                  "using the Helion kernel instead")
         return result, helion

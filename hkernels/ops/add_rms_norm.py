@@ -21,6 +21,7 @@ import helion
 import torch
 from helion.runtime.kernel import BoundKernel
 
+from hkernels.functional._base import stats as row_stats
 from hkernels.ops import _helion, rms_norm
 
 Tensor = torch.Tensor
@@ -93,7 +94,7 @@ def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, st
             return tuple(t[:1] for t in two(x.expand(2, N), residual.expand(2, N), weight, eps))
         return run_one_row
     s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
-    rstd = rms_norm.stats_like(x) if stats else None
+    rstd = row_stats(x) if stats else None
     fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s, rstd), N, device)
     if not stats:
         def run_no_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
@@ -103,7 +104,7 @@ def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, st
 
     def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
         s = torch.empty((M, N), dtype=dtype, device=device)
-        rstd = rms_norm.stats_like(x)
+        rstd = row_stats(x)
         return fn(x, residual, weight, eps, s, rstd, _launcher=launcher), s, rstd
     return run
 

@@ -18,9 +18,9 @@ import helion
 import helion.language as hl
 import torch
 
+from hkernels.functional._base import stats as row_stats
 from hkernels.ops import _helion
 from hkernels.ops._partials import lazy_sum_partials
-from hkernels.ops.rms_norm import stats_like
 
 Tensor = torch.Tensor
 # traced at a symbolic row count (see hkernels/ops/rms_norm.py)
@@ -228,12 +228,12 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     one_row = None
     if x.shape[0] == 1:
         one_row = (1, *_helion.config_for(kernel.name, N, x.device, x.dtype).block_sizes[1:])
-    fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, stats_like(x), stats_like(x)), N, x.device,
+    fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, row_stats(x), row_stats(x)), N, x.device,
                                 one_row)  # (examples of mean and rstd, for binding)
 
     def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: torch.dtype | None = None
             ) -> tuple[Tensor, Tensor, Tensor]:
-        mean, rstd = stats_like(x), stats_like(x)
+        mean, rstd = row_stats(x), row_stats(x)
         return fn(x, like, weight, bias, eps, mean, rstd, _launcher=launcher), mean, rstd
     return run
 

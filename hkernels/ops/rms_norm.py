@@ -23,6 +23,7 @@ import helion
 import helion.language as hl
 import torch
 
+from hkernels.functional._base import stats as row_stats
 from hkernels.ops import _helion
 from hkernels.ops._partials import lazy_sum_partials
 
@@ -152,21 +153,17 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) 
     if not stats:  # (no rstd: neither allocated nor written)
         fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, None), x.shape[1], x.device)
         return lambda x, weight, eps: fn(x, None, weight, eps, None, None, _launcher=launcher)
-    rstd = stats_like(x)  # (an example, for binding)
+    rstd = row_stats(x)  # (an example, for binding)
     # (Helion 1.5.0 stores to a one-row rstd as to a broadcast, every lane of the row block writing its one
     # element, masked lanes too: a block of one row then)
     fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, rstd), x.shape[1], x.device,
                                 (1,) if x.shape[0] == 1 else None)
 
     def run(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-        rstd = stats_like(x)
+        rstd = row_stats(x)
         return fn(x, None, weight, eps, None, rstd, _launcher=launcher), rstd
     return run
 
-
-def stats_like(x: Tensor) -> Tensor:
-    """A per-row float32 statistic of x [M, N]: rstd [M]."""
-    return torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
 
 
 def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
