@@ -258,16 +258,8 @@ def _reference(inputs, leaves, f):
     return ref, torch.autograd.grad(ref, ref_leaves) if leaves else ()
 
 
-def _every_op_backend():
-    for op in EVERY_OP:
-        for backend in ("helion", "triton", "torch", "auto"):
-            marks = [pytest.mark.xfail(ON_GPU, strict=True, reason="Helion's rope backward bound on stand-ins "
-                                       "makes an unbacked size the trace does not track: it runs opaque")] \
-                if (op, backend) == ("rope", "helion") else []
-            yield pytest.param(op, backend, marks=marks, id=f"{op}-{backend}")
-
-
-@pytest.mark.parametrize(("op", "backend"), list(_every_op_backend()))
+@pytest.mark.parametrize(("op", "backend"), [pytest.param(op, backend, id=f"{op}-{backend}") for op in EVERY_OP
+                                              for backend in ("helion", "triton", "torch", "auto")])
 def test_inside_compile_nothing_calls_back(op, backend, device):
     """Inside a graph compiled by Inductor an op's kernels are launched by Inductor's generated code (or its math
     is Inductor's own): the graph holds no hkernels custom op to call back into Python, forward or backward."""
@@ -345,7 +337,7 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 SYMBOLIC_TRACED = [
     *((op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                                 "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy")),
-    *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu",
+    *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                                 "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy")),
 ]
 
@@ -416,7 +408,7 @@ def test_every_kernel_launch_is_traced_into_the_graph():
     for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                "qk_norm_rope"):  # (a CPU reaches)
         for fn in ("fwd", "bwd"):
-            for backend in ("triton", "helion") if op != "rope" else ("triton",):
+            for backend in ("triton", "helion"):
                 # with the length symbolic, and with every size symbolic (dynamic=True: the sizes the kernels are
                 # specialised to become constants of the graph)
                 assert f"{op} {op}_{fn}.default {backend} symbolic" in ok, (op, fn, backend)

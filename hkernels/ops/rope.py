@@ -29,10 +29,15 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from hkernels.runtime import plan as _plan
 from hkernels.runtime.launch import bound_launcher
 
 Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
+# traced at a symbolic length (see hkernels/ops/rms_norm.py): the config and the block shapes follow from the head
+# counts and D; a symbolic token count takes the bucket of many tokens
+SYMBOLIC = frozenset({"rope_fwd", "rope_bwd"})
+_MANY_TOKENS = 1 << 20
 
 
 @helion.kernel(static_shapes=False)
@@ -89,8 +94,20 @@ def _stride_kind(st: int) -> int:
 _COMPILED: dict[tuple[object, ...], Callable[..., None]] = {}
 
 
+def _blocks(config: helion.Config, q5: Tensor, k5: Tensor) -> list[int]:
+    """The config's block sizes, each over a dim of size 1 made 1: Helion 1.5.0 takes a dim of size 1 for a
+    broadcast and drops its mask and stride from the stores, so every lane of a larger block over it would write the
+    one row (one position; one head of k, as in multi-query attention). (A symbolic size is at least 2.)"""
+    sizes = [q5.shape[2], q5.shape[1], k5.shape[2], k5.shape[1]]
+    return [1 if size == 1 else block for size, block in zip(sizes, config.block_sizes, strict=True)]
+
+
 def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Callable[..., None]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if _plan.TRACING:  # (Helion's bindings for a graph: on stand-ins, and at a symbolic length for every length)
+        n = n if isinstance(n, int) else _MANY_TOKENS
+        config = _helion.config_for("_rope", n, device, tensors[0].dtype)
+        return _helion.compiled(_rope, args, n, device, tuple(_blocks(config, tensors[0], tensors[1])))
     config = _helion.config_for("_rope", n, device, tensors[0].dtype)
     key = (args[-1], device, config, *(
         (t.dtype, tuple(min(d, 2) for d in t.shape), t.numel() > _INT32_LIMIT, t.shape[-1],
@@ -99,13 +116,7 @@ def _compiled_for(args: tuple[object, ...], n: int, device: torch.device) -> Cal
     ))
     fn = _COMPILED.get(key)
     if fn is None:
-        # Helion 1.5.0 takes a dim of size 1 for a broadcast and drops its mask and stride from the stores: every
-        # lane of a larger block over it would write the one row (one position; one head of k, as in multi-query
-        # attention). So a block over a dim of size 1 is made 1.
-        q5, k5 = tensors[0], tensors[1]
-        sizes = [q5.shape[2], q5.shape[1], k5.shape[2], k5.shape[1]]
-        blocks = [1 if size == 1 else block for size, block in zip(sizes, config.block_sizes, strict=True)]
-        config = helion.Config(**{**config.config, "block_sizes": blocks})
+        config = helion.Config(**{**config.config, "block_sizes": _blocks(config, tensors[0], tensors[1])})
         with _helion.COMPILING:
             bound = _rope.bind(args)
             fn = bound.compile_config(_helion._fit(config, bound.config_spec.default_config()), allow_print=False)
@@ -118,6 +129,7 @@ def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool
     """The rotation for arguments of this signature: its views, copies and compiled function found once;
     ``run(x_q, x_k, cos, sin)``."""
     B, Hq, S, D = x_q.shape
+    D = int(D)  # (the kernel specialises on D / 2: a constant of a graph with every size symbolic)
     Hk = x_k.shape[1]
     assert D % 2 == 0 and x_k.shape == (B, Hk, S, D) and x_q.stride(3) == 1 and x_k.stride(3) == 1
     assert cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (S, D)
@@ -138,8 +150,9 @@ def _bind(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, backward: bool
     # over one element (stride 0): they load it twice and store one value twice.
     lanes = 2 if half == 1 else half
     # The kernel blocks positions, not batches: with fewer positions than batches (decoding: S = 1) the two swap
-    # roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout).
-    swap = S < B
+    # roles, a view of every tensor (outputs included, which keep their contiguous [B, H, S, D] layout). A graph
+    # with symbolic sizes never swaps (a speed choice: no guard on the length for it).
+    swap = type(S) is int and type(B) is int and S < B
 
     def views(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, qo: Tensor, ko: Tensor) -> tuple[object, ...]:
         if copy_q:
