@@ -51,6 +51,9 @@ Tensor = torch.Tensor
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128, 256)
+# traced at a symbolic sequence length (see triton_fallback/rms_norm.py): tiles, warps and stages follow from D, the
+# dtype and the mask alone; the grid counts blocks of the length; in a graph the tiles load through pointers
+SYMBOLIC = frozenset({"attention_fwd", "attention_bwd"})
 
 
 # ----------------------------------------------------------------------------------------------- tile access
@@ -890,7 +893,9 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq
         Hk, Hq // Hk, S, Skv, n_n, B * Hq * S, m.qk_scale, scale, m.left, m.right, m.cap_in, m.cap_out,
         HEAD_DIM=D, BLOCK_M=s.block_m, BLOCK_N=s.block_n, LEFT=m.LEFT, RIGHT=m.RIGHT, SOFTCAP=m.SOFTCAP,
         DQ_ATOMIC=s.dq_atomic, TMA=tma, OUT_TMA=tma and not varlen, VARLEN=varlen,
-        WALK=m.LEFT or m.RIGHT or varlen, ROWS_IN=varlen or S % s.block_m == 0, DOT=dot, num_warps=s.num_warps,
+        WALK=m.LEFT or m.RIGHT or varlen, DOT=dot, num_warps=s.num_warps,
+        # (a symbolic length: the masked walks, no guard on its remainder)
+        ROWS_IN=varlen or (type(S) is int and S % s.block_m == 0),
         num_stages=s.num_stages,
     )
     if s.dq_atomic:
