@@ -87,7 +87,8 @@ def _fake(a: object, mode: FakeTensorMode) -> object:
 
 def _symbolic_fakes(args: tuple[object, ...], every: bool = False) -> tuple[list[object], object, set[object]]:
     """Fake CUDA tensors as a graph whose length varies has them: the length (the largest size past the last dim
-    of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim, is a symbol
+    of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim (a per-row
+    statistic's included), is a symbol
     of a shape environment; the other sizes (heads, hidden sizes) stay static. Returns the fakes, the environment
     and the length's symbol."""
     from torch._dynamo.source import ConstantSource
@@ -100,12 +101,16 @@ def _symbolic_fakes(args: tuple[object, ...], every: bool = False) -> tuple[list
     sizes = sorted({d for a in args if isinstance(a, torch.Tensor) for d in a.shape if d >= 2}) if every else rows
     symbols = {v: env.create_symintnode(env.create_symbol(v, ConstantSource(f"rows_{v}"),
                                                           dynamic_dim=DimDynamic.DYNAMIC), hint=v) for v in sizes}
+    # (a per-row statistic, whose shape is another tensor's without its last dim, e.g. attention's lse [B, H, S],
+    # has the length in its last dim)
+    prefixes = {tuple(a.shape[:-1]) for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3}
     fakes: list[object] = []
     for a in args:
         if not isinstance(a, torch.Tensor):
             fakes.append(a)
             continue
-        last = a.dim() - 1 if a.dim() >= 2 and not every else -1
+        per_row = tuple(a.shape) in prefixes
+        last = a.dim() - 1 if a.dim() >= 2 and not every and not per_row else -1
         shape = [symbols.get(d, d) if i != last else d for i, d in enumerate(a.shape)]
         with mode:
             fakes.append(torch.empty(shape, dtype=a.dtype, device="cuda"))
@@ -230,7 +235,8 @@ def _inductor_copy_problem(kernel: object) -> str | None:
 
 
 def _aligned_cases() -> list[tuple[str, tuple[list[torch.Tensor], list[torch.Tensor], object]]]:
-    """16-bit calls of shapes the TMA paths take (aligned rows, whole tiles): in a graph they must run by pointer."""
+    """16-bit calls of shapes the TMA paths take (aligned rows, whole tiles): in a graph they must run by pointer;
+    and calls of an op's other kernels."""
     g = torch.Generator().manual_seed(4)
 
     def t(*shape: int) -> torch.Tensor:
@@ -238,9 +244,14 @@ def _aligned_cases() -> list[tuple[str, tuple[list[torch.Tensor], list[torch.Ten
 
     q, k, v = t(1, 4, 256, 64), t(1, 2, 256, 64), t(1, 2, 256, 64)
     a, b = t(256, 128), t(128, 256)
+    # a window and a logit cap: the masked kernels, whose unbounded sides stand for a distance no position reaches
+    qm, km, vm = (torch.randn(shape, generator=g).requires_grad_() for shape in ((1, 4, 9, 16), (1, 2, 9, 16),
+                                                                                (1, 2, 9, 16)))
     return [
         ("attention bf16", ([q, k, v], [q, k, v], lambda m, *x: m.attention(*x, causal=True).float().sum())),
         ("matmul bf16", ([a, b], [a, b], lambda m, *x: m.matmul(*x).float().sum())),
+        ("attention masked", ([qm, km, vm], [qm, km, vm],
+                              lambda m, *x: m.attention(*x, window=(12, None), softcap=5.0).float().sum())),
     ]
 
 
@@ -269,7 +280,7 @@ def main() -> None:
                 if (op, backend) in _base._OPAQUE_IN_GRAPHS:
                     continue  # kept opaque on purpose (see hkernels/functional/_base.py)
                 name = func._schema.name.split("::")[-1]
-                if symbolic and not dispatch.takes_symbolic(op, backend, name):
+                if symbolic and not dispatch.takes_symbolic(op.split()[0], backend, name):
                     continue  # (this backend keeps the op opaque at a symbolic length)
                 if symbolic:
                     fakes, env, rows = _symbolic_fakes(args, every=symbolic == "every")

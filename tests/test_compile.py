@@ -338,7 +338,7 @@ SYMBOLIC_TRACED = [
     *((op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                                 "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention")),
     *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy")),
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention")),
 ]
 
 
@@ -399,20 +399,22 @@ def test_every_kernel_launch_is_traced_into_the_graph():
     # what a CPU can check: most of them (the rest slice a fake CUDA tensor)
     assert len(ok) >= 40, f"only {len(ok)} of {len(results)} traced here"
     for op in ("rms_norm", "softmax", "swiglu", "rope", "add_rms_norm", "cross_entropy", "matmul", "attention",
-               "attention bf16", "matmul bf16"):  # (bf16: shapes whose eager calls take TMA descriptors)
+               "attention bf16", "matmul bf16", "attention masked"):  # (bf16: shapes whose eager calls take TMA
+        # descriptors; masked: a window and a cap)
         for backend in ("triton", "helion"):
             assert any(k.startswith(f"{op} ") and k.endswith(f" {backend}") for k in ok), (op, backend)
     # at a symbolic length (a graph whose length varies): traced with no guard on the row count where declared
     for op, backend in SYMBOLIC_TRACED:
         assert any(k.startswith(f"{op} ") and k.endswith(f" {backend} symbolic") for k in ok), (op, backend)
     for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-               "qk_norm_rope"):  # (a CPU reaches)
+               "qk_norm_rope", "attention", "attention masked"):  # (a CPU reaches)
         for fn in ("fwd", "bwd"):
             for backend in ("triton", "helion"):
                 # with the length symbolic, and with every size symbolic (dynamic=True: the sizes the kernels are
                 # specialised to become constants of the graph)
-                assert f"{op} {op}_{fn}.default {backend} symbolic" in ok, (op, fn, backend)
-                assert f"{op} {op}_{fn}.default {backend} every size symbolic" in ok, (op, fn, backend)
+                name = f"{op} {op.split()[0]}_{fn}.default {backend}"
+                assert f"{name} symbolic" in ok, (op, fn, backend)
+                assert f"{name} every size symbolic" in ok, (op, fn, backend)
 
 
 def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):

@@ -71,6 +71,8 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _INT32_LIMIT = 2**31 - 1
 MAX_HEAD_DIM = 128
+# traced at a symbolic sequence length (see hkernels/ops/rms_norm.py): configs by D alone, one binding for every length
+SYMBOLIC = frozenset({"attention_fwd", "attention_bwd"})
 
 
 # Row reductions of full key blocks, written in Triton: Helion masks a torch.amax/sum over a tile element-wise
@@ -667,6 +669,12 @@ def _options(causal: bool, scale: float, left: int, right: int, softcap: float, 
     return scale * LOG2E, left, right, 0.0, 0.0
 
 
+def _bound(S: int, Skv: int) -> int:
+    """A distance no position of these lengths reaches: S + Skv, or at a symbolic length (a graph whose length
+    varies) 2^30, which no position reaches either and whose sums with a position stay within int32."""
+    return S + Skv if type(S) is int and type(Skv) is int else 1 << 30
+
+
 def _one_key(q: Tensor, k: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor]:
     """Skv = 1: (the (capped) score [B, Hq, S, 1] float32, k in float32 repeated to the query heads)."""
     kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -683,6 +691,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
     -> (o [B, Hq, S, D] contiguous in q's dtype, lse [B, Hq, S] float32, natural-log logsumexp of the scores)."""
     B, Hq, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
+    Hq, Hk, D = int(Hq), int(Hk), int(D)  # (static dims: constants of a graph with every size symbolic)
     right = 0 if causal else right
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or (left < 0 and right < 0))
     _check_head_dim(D)
@@ -695,7 +704,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
         return o.expand(B, Hq, S, D).contiguous(), score.squeeze(-1)
     q, k, v = (_prepare(t) for t in (q, k, v))
     masked = left >= 0 or right > 0 or softcap > 0  # right = 0 alone is causal, which the plain kernel takes
-    causal = right == 0 and S > 1  # one query, one key: nothing to mask
+    causal = right == 0 and bool(S > 1)  # one query, one key: nothing to mask (a bool also at a symbolic S)
     if scale < 0 and softcap == 0:  # the kernel takes row maxima before scaling: give it (−q, −scale), the same scores
         q, scale = -q, -scale
     if S == 1:
@@ -703,7 +712,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if masked:
-        qk_scale, lo, hi, cap_scale, cap = _options(False, scale, left, right, softcap, S + Skv)
+        qk_scale, lo, hi, cap_scale, cap = _options(False, scale, left, right, softcap, _bound(S, Skv))
         # lse stands in for the unread cu_seqlens
         args = (_groups(q, Hk), k, v, _groups(o, Hk), _groups(lse, Hk), lse, lse, S, Skv, B, S, Skv, qk_scale, lo,
                 hi, cap_scale, cap, False, softcap > 0)
@@ -723,6 +732,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     (dk, dv summed over each group's query heads). dq comes from its own kernel over query blocks (no atomics)."""
     B, Hq, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
+    Hq, Hk, D = int(Hq), int(Hk), int(D)  # (static dims: constants of a graph with every size symbolic)
     right = 0 if causal else right
     assert k.shape == v.shape == (B, Hk, Skv, D) and Hq % Hk == 0 and (Skv == S or (left < 0 and right < 0))
     _check_head_dim(D)
@@ -745,7 +755,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                 per_kv(p * dof).to(v.dtype))
     do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     masked = left >= 0 or right > 0 or softcap > 0
-    causal = right == 0 and S > 1
+    causal = right == 0 and bool(S > 1)
     if S == 1:  # a zero query row: q = do = 0, so its terms in dk, dv vanish; its dq row is sliced off
         do, q, o = _pad_row(do), _pad_row(q), _pad_row(o)
         lse = torch.cat([lse, lse.new_zeros(lse.shape)], dim=-1)
@@ -756,7 +766,7 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     qg, dog, lseg, deltag = (_groups(t, Hk) for t in (q, do, lse, delta))
     # dq first: it writes δ, which the dk/dv kernel reads
     if masked:
-        qk_scale, lo, hi, cap_scale, cap = _options(False, scale, left, right, softcap, S + Skv)
+        qk_scale, lo, hi, cap_scale, cap = _options(False, scale, left, right, softcap, _bound(S, Skv))
         rest = (lse, lse, S, Skv, B, S, Skv, qk_scale, scale, lo, hi, cap_scale, cap, False, softcap > 0)
         _helion.run(_attention_masked_bwd_dq, (dog, qg, k, v, _groups(o, Hk), lseg, _groups(dq, Hk), deltag, *rest),
                     D, q.device)
