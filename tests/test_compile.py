@@ -90,7 +90,7 @@ def _llm_inputs(op: str, device: torch.device) -> tuple[list[torch.Tensor], list
         "add_rms_norm": [t(3, 48), t(3, 48), t(48, scale=0.5)],
         "cross_entropy": [t(6, 40), target],
         "fused_linear_cross_entropy": [t(6, 16), t(40, 16, scale=0.25), target],
-        "matmul": [t(2, 5, 16), t(2, 16, 12, scale=0.25), t(12)],
+        "matmul": [t(2, 19, 16), t(2, 16, 12, scale=0.25), t(12)],  # (M the largest size: a length)
         "attention": [t(1, 4, 9, 16), t(1, 2, 9, 16), t(1, 2, 9, 16)],
         "attention_varlen": [t(11, 4, 16), t(11, 2, 16), t(11, 2, 16),
                              torch.tensor([0, 4, 4, 11], dtype=torch.int32, device=device)],
@@ -336,9 +336,9 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
 SYMBOLIC_TRACED = [
     *((op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention")),
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul")),
     *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention")),
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul")),
 ]
 
 

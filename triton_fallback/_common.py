@@ -147,10 +147,17 @@ def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) 
     return max(1, min(work_items, most)) if type(work_items) is int else most
 
 
+_MANY_ROWS = 1 << 16
+
+
 def tile_class(m: int, n: int, batch: int, sms: int) -> int:
     """The matmul tile class, shared by both backends (Triton's configs, Helion's config keys): 0 for decode rows
     (M ≤ 16), else the largest of 1: 64×64, 2: 64×128, 3: 128×128, 4: 128×256 tiles that still gives about a full
-    wave (≥ 0.9·sms tiles), 1 when none does."""
+    wave (≥ 0.9·sms tiles), 1 when none does. A symbolic M (a compiled graph whose length varies) takes the class of
+    many rows, with no guard on it; N and the batch are static dims (constants of a graph with every size symbolic)."""
+    n, batch = int(n), int(batch)
+    if type(m) is not int:
+        m = _MANY_ROWS
     if m <= 16:
         return 0
     for cls, (bm, bn) in ((4, (128, 256)), (3, (128, 128)), (2, (64, 128))):

@@ -36,6 +36,9 @@ from triton_fallback.swiglu import _tile, launch_settings
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 _TMA_DTYPES = (torch.bfloat16, torch.float16)
+# traced at a symbolic length (see triton_fallback/rms_norm.py): the tile class of many rows at a symbolic M, the
+# masked K loop at a symbolic K
+SYMBOLIC = frozenset({"matmul_fwd", "matmul_act_bwd"})
 # Constants are literals in the kernels, as in geglu.py: 0.7071067811865475 = 1/√2, 1.5957691216057308 = 2·√(2/π)
 # (σ's argument is 2u), 0.21406444881780076 = 2·√(2/π)·3·0.044715 (in d(2u)/dz), 0.3989422804014327 = 1/√(2π).
 
@@ -409,7 +412,8 @@ def _bind_fwd(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None,
             return y.view(out_shape), None if z is None else z.view(out_shape)
         return run_tma
     strides = (*a3.stride(), *b3.stride())
-    kp = Bound(_matmul_kernel, (tiles,), **meta, EVEN_K=k % cfg.block_k == 0)
+    # (a symbolic K, the length in aᵀ @ dz: the masked K loop, no guard on its remainder)
+    kp = Bound(_matmul_kernel, (tiles,), **meta, EVEN_K=type(k) is int and k % cfg.block_k == 0)
 
     def run(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, keep_pre: bool
             ) -> tuple[Tensor, Tensor | None]:

@@ -60,6 +60,8 @@ Tensor = torch.Tensor
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 _INT32_MAX = 2**31 - 1
 _TMA_DTYPES = (torch.bfloat16, torch.float16)
+# traced at a symbolic length (see triton_fallback/rms_norm.py): configs by the tile class of many rows at a symbolic M
+SYMBOLIC = frozenset({"matmul_fwd", "matmul_act_bwd"})
 SQRT_HALF = 0.7071067811865475  # 1/√2
 INV_SQRT_2PI = 0.3989422804014327  # 1/√(2π)
 TWO_SQRT_2_OVER_PI = 1.5957691216057308  # 2·√(2/π): σ's argument is 2u
