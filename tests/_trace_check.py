@@ -85,22 +85,29 @@ def _fake(a: object, mode: FakeTensorMode) -> object:
         return torch.empty(a.shape, dtype=a.dtype, device="cuda")
 
 
-def _symbolic_fakes(args: tuple[object, ...], every: bool = False) -> tuple[list[object], object, set[object]]:
-    """Fake CUDA tensors as a graph whose length varies has them: the length (the largest size past the last dim
-    of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim (a per-row
-    statistic's included), is a symbol
-    of a shape environment; the other sizes (heads, hidden sizes) stay static. Returns the fakes, the environment
-    and the length's symbol."""
+# Ops whose length is their first tensor's first dim (tokens), where a weight's dim may be larger
+_LENGTH_FIRST = {"grouped_matmul", "moe"}
+
+
+def _symbolic_fakes(args: tuple[object, ...], every: bool = False, length: int | None = None
+                    ) -> tuple[list[object], object, set[object]]:
+    """Fake CUDA tensors as a graph whose length varies has them: the length (``length``, or the largest size past the
+    last dim of a tensor of 2 or more dims: rows, or a sequence's tokens), wherever it occurs but in a last dim (a
+    per-row statistic's included), is a symbol of a shape environment; the other sizes (heads, hidden sizes) stay
+    static. Returns the fakes, the environment and the length's symbol."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     rows = sorted({d for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in a.shape[:-1] if d >= 2})
-    rows = rows[-1:]
+    rows = rows[-1:] if length is None else [length]
     sizes = sorted({d for a in args if isinstance(a, torch.Tensor) for d in a.shape if d >= 2}) if every else rows
     symbols = {v: env.create_symintnode(env.create_symbol(v, ConstantSource(f"rows_{v}"),
                                                           dynamic_dim=DimDynamic.DYNAMIC), hint=v) for v in sizes}
+    if length is not None:  # (a routed op's slots, T·k rows of 1-D tensors: k times the length's symbol)
+        top = max(d for a in args if isinstance(a, torch.Tensor) for d in a.shape)
+        symbols.update({c * length: symbols.get(c, c) * symbols[length] for c in range(2, top // length + 1)})
     # (a per-row statistic, whose shape is another tensor's without its last dim, e.g. attention's lse [B, H, S],
     # has the length in its last dim)
     prefixes = {tuple(a.shape[:-1]) for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3}
@@ -128,8 +135,9 @@ def _row_guards(env: object, rows: set[object], op: str) -> list[str]:
 
 
 # Ops whose kernels serve any size of a last dim: matmul's contraction K (a's last dim, which is the length in the
-# weight gradient aᵀ @ dz) runs a masked loop at a symbolic size; N, which sets the tile class, is made a constant.
-_ANY_CONTRACTION = {"matmul"}
+# weight gradient aᵀ @ dz) runs a masked loop at a symbolic size, N (which sets the tile class) made a constant;
+# grouped_matmul's and moe's kernels take their hidden sizes as runtime sizes, their tiles from the dtype alone.
+_ANY_CONTRACTION = {"matmul", "grouped_matmul", "moe"}
 
 # The size classes each op's host code may guard a symbolic length on: the linear loss's chunk counts.
 _SIZE_CLASSES = {"fused_linear_cross_entropy": {_chunked.MIN_CHUNK * c for c in _chunked.TRACED_CLASSES}}
@@ -287,7 +295,9 @@ def main() -> None:
                 if symbolic and not dispatch.takes_symbolic(op.split()[0], backend, name):
                     continue  # (this backend keeps the op opaque at a symbolic length)
                 if symbolic:
-                    fakes, env, rows = _symbolic_fakes(args, every=symbolic == "every")
+                    first = next(a for a in args if isinstance(a, torch.Tensor))
+                    fakes, env, rows = _symbolic_fakes(args, every=symbolic == "every", length=first.shape[0]
+                                                       if op.split()[0] in _LENGTH_FIRST else None)
                 else:
                     mode = FakeTensorMode()
                     fakes = [_fake(a, mode) for a in args]

@@ -336,7 +336,8 @@ def test_inside_compile_one_graph_for_every_length(op, mode, device):
 # (op, backend) pairs whose forward and backward trace at a symbolic length (their modules' SYMBOLIC)
 SYMBOLIC_TRACED = [
     *((op, "triton") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul")),
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul",
+                                "attention_varlen", "grouped_matmul", "moe")),
     *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
                                 "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul")),
 ]

@@ -53,7 +53,7 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # traced at a symbolic sequence length (see triton_fallback/rms_norm.py): tiles, warps and stages follow from D, the
 # dtype and the mask alone; the grid counts blocks of the length; in a graph the tiles load through pointers
-SYMBOLIC = frozenset({"attention_fwd", "attention_bwd"})
+SYMBOLIC = frozenset({"attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd"})
 
 
 # ----------------------------------------------------------------------------------------------- tile access

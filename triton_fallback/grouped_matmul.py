@@ -33,6 +33,9 @@ from hkernels.runtime.launch import aligned, descriptors_ok, launch
 from hkernels.runtime.routing import group_ends, tile_ends
 
 Tensor = torch.Tensor
+# traced at a symbolic length (see triton_fallback/rms_norm.py): tiles from the dtype, a persistent grid of a fixed
+# count of programs at a symbolic T, the schedule built on the device
+SYMBOLIC = frozenset({"grouped_matmul_fwd", "grouped_matmul_bwd"})
 
 
 @triton.jit
@@ -239,7 +242,8 @@ _SLICED_COPY = 32 * 2**20
 
 
 def _tma_size(rows: int) -> bool:
-    return _TMA and (rows >= _TMA_ROWS or interpreting())
+    # (a symbolic row count is a compiled graph's, where tiles load through pointers)
+    return _TMA and type(rows) is int and (rows >= _TMA_ROWS or interpreting())
 
 
 def _settings(dtype: torch.dtype, kind: str = "fwd") -> tuple[int, int, int, int, int, int]:
@@ -289,8 +293,8 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
     E, N, _ = weight.shape
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
     programs = (cdiv(T, bm) + E + 1) * cdiv(N, bn)  # the most (row tile, column tile) pairs there can be
-    if not interpreting():
-        programs = min(programs, 2 * num_sms(x.device))
+    if not interpreting():  # (persistent: at a symbolic T, the full count, each walking the tiles that exist)
+        programs = min(programs, 2 * num_sms(x.device)) if type(programs) is int else 2 * num_sms(x.device)
     tma = _tma_weight(x, weight) if K and _tma_size(T) else None
     if tma is not None and tma[1] and K % bk:  # transposed storage: a K tail would read the next expert's rows
         tma = None

@@ -44,6 +44,9 @@ from triton_fallback.grouped_matmul import (
 )
 
 Tensor = torch.Tensor
+# traced at a symbolic length (see triton_fallback/rms_norm.py): routed by a sort on the device, persistent grids of
+# a fixed count of programs, tiles from the dtype
+SYMBOLIC = frozenset({"moe_fwd", "moe_bwd"})
 
 
 @triton.jit
@@ -237,7 +240,7 @@ def route(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor,
     tiles of block_m: one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
     than the experts' kernels), torch.sort past it."""
     n = topk_ids.numel()
-    if n > ROUTE_MAX or n == 0:
+    if type(n) is not int or n > ROUTE_MAX or n == 0:  # (a symbolic count: a graph's varying length, sorted)
         src, order, pos, ends = routing(topk_ids, experts)
         return src, order, pos, ends, tile_ends(ends, block_m)
     e1 = experts + 1
@@ -264,7 +267,10 @@ def _weight_desc(w: Tensor, rows: int, block: list[int]) -> TensorDescriptor | N
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
     bm, bn = _settings(dtype, "pair")[:2]
     programs = (cdiv(rows, bm) + experts + 1) * cdiv(n, bn)
-    return programs if interpreting() else min(programs, 2 * num_sms(device))
+    if interpreting():
+        return programs
+    # persistent: at a symbolic count of rows, the full count of programs, each walking the tiles that exist
+    return min(programs, 2 * num_sms(device)) if type(programs) is int else 2 * num_sms(device)
 
 
 def combine(y: Tensor, pos: Tensor, ids: Tensor, weights: Tensor | None, T: int, E: int) -> Tensor:
@@ -351,5 +357,5 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
         ddown = dweight_into(dout, hw, torch.empty(down.shape, dtype=down.dtype, device=down.device), ends,
                              dy_rows=src)
     del hw
-    dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
+    dtw = dsw.index_select(0, pos).view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw

@@ -21,12 +21,12 @@ def routing(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Ten
     ids = topk_ids.reshape(-1)
     key = torch.where((ids >= 0) & (ids < experts), ids, experts).to(torch.int32)
     sorted_key, order = torch.sort(key, stable=True)
+    # (the last entry, for key E + 1, is T·k: every key is at most E)
     ends = torch.searchsorted(sorted_key, torch.arange(1, experts + 2, device=ids.device, dtype=torch.int32))
     ends = ends.to(torch.int32)
-    ends[-1:] = ids.numel()
     order32 = order.to(torch.int32)
-    pos = torch.empty_like(order32)
-    pos[order] = torch.arange(order.numel(), device=ids.device, dtype=torch.int32)
+    pos = torch.empty_like(order32).scatter_(0, order, torch.arange(order.numel(), device=ids.device,
+                                                                     dtype=torch.int32))
     return torch.div(order32, k, rounding_mode="floor"), order32, pos, ends
 
 
