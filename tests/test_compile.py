@@ -416,6 +416,11 @@ def test_every_kernel_launch_is_traced_into_the_graph():
                 name = f"{op} {op.split()[0]}_{fn}.default {backend}"
                 assert f"{name} symbolic" in ok, (op, fn, backend)
                 assert f"{name} every size symbolic" in ok, (op, fn, backend)
+    for name in ("grouped_matmul grouped_matmul_fwd.default triton", "grouped_matmul grouped_matmul_bwd.default triton",
+                 "moe moe_fwd.default triton", "moe moe_bwd.default triton", "matmul matmul_fwd.default helion",
+                 "attention_varlen attention_varlen_bwd.default triton",
+                 "decode_attention decode_attention_fwd.default triton"):  # (the cache length, for decoding)
+        assert f"{name} symbolic" in ok and f"{name} every size symbolic" in ok, name
 
 
 def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):

@@ -88,6 +88,31 @@ def test_the_split_plan_fills_the_gpu(monkeypatch):
     assert chunk >= 256 and ns * chunk >= 1000 and ns <= 4
 
 
+def test_a_symbolic_cache_length_keeps_the_split_count(monkeypatch, device):
+    """At a symbolic S_max (a compiled graph whose cache grows a row a step) the count of splits comes from the
+    programs alone and each chunk is the length's share: splits that start past the cache find no key, and the
+    result is the reference's (here on concrete sizes, the plan as it is at a symbolic one)."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setattr(t_decode, "num_sms", lambda device: 132)
+    env = ShapeEnv()
+    s = env.create_symintnode(sympy.Symbol("s0", positive=True, integer=True), hint=70)
+    ns, chunk = t_decode.split_plan(8, s, 64, 256, 2, torch.device("cuda"))
+    assert ns == 33 and isinstance(chunk, torch.SymInt), (ns, chunk)  # cdiv(2·132, 8) splits, whatever S_max
+    plan = t_decode.split_plan
+
+    def at_symbolic(programs, s_max, block_n, min_chunk, per_sm, device):
+        want = max(1, min(t_decode.MAX_SPLITS, 6 * plan(programs, s_max, block_n, min_chunk, per_sm, device)[0]))
+        return want, t_decode.cdiv(t_decode.cdiv(s_max, want), block_n) * block_n  # (more splits than chunks)
+
+    monkeypatch.setattr(t_decode, "split_plan", at_symbolic)
+    q, k, v, lengths = _inputs(device, torch.float32)
+    got = t_decode.decode_attention_fwd(q, k, v, lengths, 0.125, -1, 0.0)
+    want = references.decode_attention(q.double(), k.double(), v.double(), lengths, scale=0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_gradient_wanted_raises(device):
     """Forward only: inputs that require grad (grad mode on) raise naming the op, instead of a result without a
     graph; under no_grad the same call runs and its result needs no gradient."""

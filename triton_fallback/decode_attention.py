@@ -42,6 +42,9 @@ Tensor = torch.Tensor
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128, 256)
+# traced at a symbolic cache length (see triton_fallback/rms_norm.py): settings from D and the dtype, the count of
+# splits from the programs alone there (see split_plan)
+SYMBOLIC = frozenset({"decode_attention_fwd"})
 MAX_SPLITS = 64  # the combine kernel holds [MAX_SPLITS, D] float32 partials of one row in registers
 
 
@@ -206,8 +209,14 @@ def split_plan(programs: int, s_max: int, block_n: int, min_chunk: int, per_sm: 
                ) -> tuple[int, int]:
     """(NS, CHUNK): ``programs`` programs per split (B·Hk·row blocks), so about ``per_sm`` programs per
     multiprocessor in all; chunks a multiple of ``block_n``, at least ``min_chunk`` rows, at most MAX_SPLITS of
-    them. From S_max, not the lengths (reading those would sync the host)."""
-    want = cdiv(per_sm * num_sms(device), max(programs, 1))
+    them. From S_max, not the lengths (reading those would sync the host); a symbolic S_max keeps NS constant."""
+    want = cdiv(per_sm * num_sms(device), max(programs, 1)) if type(programs) is int else 1
+    if type(s_max) is not int:
+        # a symbolic cache length (a compiled graph's, growing a row a step): a count of splits from the programs
+        # alone, each a chunk of the length's share (splits that start past it find no key, as past a short
+        # sequence), so that no launch setting follows the length
+        ns = max(1, min(want, MAX_SPLITS))
+        return ns, cdiv(cdiv(s_max, ns), block_n) * block_n
     ns = max(1, min(want, cdiv(s_max, max(min_chunk, block_n)), MAX_SPLITS))
     chunk = cdiv(cdiv(s_max, ns), block_n) * block_n
     return cdiv(s_max, chunk), chunk
