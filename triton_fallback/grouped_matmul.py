@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hkernels.runtime.device import cdiv, num_sms
+from hkernels.runtime.device import cdiv
 from hkernels.runtime.interpret import interpreting
 from hkernels.runtime.launch import aligned, descriptors_ok, launch
 from hkernels.runtime.routing import group_ends, tile_ends
+from triton_fallback._common import persistent_programs
 
 Tensor = torch.Tensor
 # traced at a symbolic length (see triton_fallback/rms_norm.py): tiles from the dtype, a persistent grid of a fixed
@@ -294,7 +295,7 @@ def fwd_into(x: Tensor, weight: Tensor, y: Tensor, ends: Tensor, tile_ends: Tens
     bm, bn, bk, group_m, warps, stages = _settings(x.dtype)
     programs = (cdiv(T, bm) + E + 1) * cdiv(N, bn)  # the most (row tile, column tile) pairs there can be
     if not interpreting():  # (persistent: at a symbolic T, the full count, each walking the tiles that exist)
-        programs = min(programs, 2 * num_sms(x.device)) if type(programs) is int else 2 * num_sms(x.device)
+        programs = persistent_programs(x.device, programs)
     tma = _tma_weight(x, weight) if K and _tma_size(T) else None
     if tma is not None and tma[1] and K % bk:  # transposed storage: a K tail would read the next expert's rows
         tma = None

@@ -29,10 +29,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hkernels.runtime import plan as _plan
-from hkernels.runtime.device import cdiv, num_sms
+from hkernels.runtime.device import cdiv
 from hkernels.runtime.interpret import interpreting
 from hkernels.runtime.launch import launch
 from hkernels.runtime.routing import ROUTE_MAX, routing, tile_ends
+from triton_fallback._common import persistent_programs
 from triton_fallback.grouped_matmul import (
     _pair_tile,
     _settings,
@@ -267,10 +268,8 @@ def _weight_desc(w: Tensor, rows: int, block: list[int]) -> TensorDescriptor | N
 def _programs(rows: int, n: int, experts: int, dtype: torch.dtype, device: torch.device) -> int:
     bm, bn = _settings(dtype, "pair")[:2]
     programs = (cdiv(rows, bm) + experts + 1) * cdiv(n, bn)
-    if interpreting():
-        return programs
     # persistent: at a symbolic count of rows, the full count of programs, each walking the tiles that exist
-    return min(programs, 2 * num_sms(device)) if type(programs) is int else 2 * num_sms(device)
+    return programs if interpreting() else persistent_programs(device, programs)
 
 
 def combine(y: Tensor, pos: Tensor, ids: Tensor, weights: Tensor | None, T: int, E: int) -> Tensor:
