@@ -56,7 +56,9 @@ class RMSNorm(nn.Module):
     """``torch.nn.RMSNorm`` on :func:`hkernels.rms_norm`: same arguments, parameter (``weight``) and state_dict.
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch. ``offset``: the scale is ``offset + weight``
     (Gemma's RMSNorm is ``offset=1.0``), the weight initialised to ``1 - offset`` so that the scale starts at 1.
-    ``casting``: as :func:`hkernels.rms_norm`'s (``"llama"``: Hugging Face's Llama-form modules' result dtype)."""
+    ``casting``: as :func:`hkernels.rms_norm`'s (``"llama"``: Hugging Face's Llama-form modules' result dtype).
+    ``in_place``: as :func:`hkernels.rms_norm`'s (the backward writes the input's gradient over the output's where
+    nothing else holds it)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
         offset: float = 0.0,
         casting: str = "float32",
+        in_place: bool = False,
     ) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
@@ -74,6 +77,7 @@ class RMSNorm(nn.Module):
         self.elementwise_affine = elementwise_affine
         self.offset = offset
         self.casting = casting
+        self.in_place = in_place
         if elementwise_affine:
             self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - offset, device=device, dtype=dtype))
         else:
@@ -83,15 +87,18 @@ class RMSNorm(nn.Module):
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = self.weight
         if len(self.normalized_shape) == 1 and x.dim() and x.shape[-1] == self.normalized_shape[0]:
-            return rms_norm(x, w, eps, self.offset, self.casting)  # the common case, without views (host time)
+            # the common case, without views (host time)
+            return rms_norm(x, w, eps, self.offset, self.casting, self.in_place)
         rows = _over_last(x, self.normalized_shape, "RMSNorm")
-        return rms_norm(rows, None if w is None else w.reshape(-1), eps, self.offset, self.casting).view(x.shape)
+        return rms_norm(rows, None if w is None else w.reshape(-1), eps, self.offset, self.casting,
+                        self.in_place).view(x.shape)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
         casting = f", casting={self.casting!r}" if self.casting != "float32" else ""
+        in_place = ", in_place=True" if self.in_place else ""
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}"
-                f"{casting}")
+                f"{casting}{in_place}")
 
 
 class LayerNorm(nn.Module):

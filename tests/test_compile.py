@@ -17,7 +17,7 @@ CALLS = {
     "softmax": lambda m, x, w, b: m.softmax(x * w, dim=-1),
 }
 CUSTOM_OPS = {
-    "rms_norm": lambda x, w, b: (torch.ops.hkernels.rms_norm_fwd.default, (x, w, 1e-6, "")),
+    "rms_norm": lambda x, w, b: (torch.ops.hkernels.rms_norm_fwd.default, (x, w, 1e-6, False, "")),
     "layer_norm": lambda x, w, b: (torch.ops.hkernels.layer_norm_fwd.default, (x, w, b, 1e-5, None, "")),
     "softmax": lambda x, w, b: (torch.ops.hkernels.softmax_fwd.default, (x, None, "")),
 }

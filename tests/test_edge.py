@@ -584,6 +584,68 @@ def test_norm_llama_casting_is_hugging_faces_llama_rmsnorm(device):
         hkernels.rms_norm(x, w, offset=1.0, casting="llama")
 
 
+def _norm_grads(backend: str, shape: tuple[int, ...], in_place: bool, tail: str, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, bool, list[torch.Tensor]]:
+    """rms_norm forward and backward on one backend, y's gradient reaching it as ``tail`` makes it: (x's gradient,
+    w's, whether x's gradient is the buffer y's gradient came in, the tensors that must be left as they were)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
+    r = torch.randn(shape, generator=g).to(device).requires_grad_()
+    with hkernels.use_backend(backend):
+        y = hkernels.rms_norm(x, w, 1e-6, in_place=in_place)
+        seen: list[int] = []
+        kept: list[torch.Tensor] = []
+        y.register_hook(lambda grad: seen.append(grad.data_ptr()))  # (holds nothing past the call)
+        if tail == "scaled":
+            (y * 3).sum().backward()
+        elif tail == "residual":  # y's gradient is also r's (the add passes one tensor to both)
+            ((y + r) * 3).sum().backward()
+            kept.append(r.grad)
+        elif tail == "given":  # the caller's own tensor
+            up = torch.full(shape, 3.0, device=device)
+            y.backward(up)
+            kept.append(up)
+        elif tail == "hooked":  # a hook that keeps y's gradient
+            y.register_hook(kept.append)
+            (y * 3).sum().backward()
+    return x.grad, w.grad, x.grad.data_ptr() == seen[0], kept
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32), (1, 32), (3, 8200)], ids=str)
+def test_norm_in_place_writes_the_input_gradient_over_the_output_gradient(backend, shape, device):
+    """in_place=True: the backward writes x's gradient into the buffer of y's gradient where nothing else holds
+    it, the same values as out of place; where something does (a gradient shared with a residual, passed by the
+    caller, kept by a hook) it writes a new buffer and leaves that one as it was."""
+    for tail in ("scaled", "residual", "given", "hooked"):
+        dx, dw, _, _ = _norm_grads(backend, shape, False, tail, device)
+        got_dx, got_dw, reused, kept = _norm_grads(backend, shape, True, tail, device)
+        assert torch.equal(got_dx, dx) and torch.equal(got_dw, dw), tail
+        assert reused == (tail in ("scaled", "residual")), f"{tail}: y's gradient buffer reused: {reused}"
+        for t in kept:
+            assert torch.equal(t, torch.full(shape, 3.0, device=device)), f"{tail}: a held gradient was written"
+
+
+def test_norm_in_place_is_a_bool_and_left_to_the_compiler_in_graphs(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with pytest.raises(TypeError, match=r"hkernels\.rms_norm: in_place must be a bool, got int"):
+        hkernels.rms_norm(x, None, in_place=1)
+    w = torch.randn(16, device=device, requires_grad=True)
+    up = torch.randn(4, 16, device=device)
+    want = torch.autograd.grad(hkernels.rms_norm(x, w), (x, w), up)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: hkernels.rms_norm(x, w, in_place=True), backend="aot_eager", fullgraph=True)
+    up_before = up.clone()
+    got = torch.autograd.grad(compiled(x, w), (x, w), up)
+    assert torch.equal(up, up_before)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    module = hkernels.nn.RMSNorm(16, in_place=True).to(device)
+    assert "in_place=True" in repr(module)
+    torch.testing.assert_close(module(x), hkernels.rms_norm(x, module.weight, torch.finfo(x.dtype).eps))
+
+
 @pytest.mark.parametrize(("option", "value", "error"), [
     ("softcap", 0.0, ValueError), ("softcap", -1.0, ValueError), ("softcap", float("nan"), ValueError),
     ("softcap", float("inf"), ValueError), ("lse_square_scale", -1e-4, ValueError),

@@ -198,14 +198,18 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     return bind_fwd(x, None, weight)(x, weight, eps)
 
 
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
-    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
-    return bind_bwd(dy, None, x, weight, rstd)(dy, None, x, weight, rstd)
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor | None]:
+    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None);
+    dx written into the given buffer (contiguous; it may be dy: each element of dy is read before its dx is
+    written) where there is one."""
+    return bind_bwd(dy, None, x, weight, rstd)(dy, None, x, weight, rstd, dx)
 
 
-def _bind_rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+def _bind_rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+                       ) -> Callable[..., Any]:
     run = bind_bwd(dy, None, x, weight, rstd)
-    return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
+    return lambda dy, x, weight, rstd, dx=None: run(dy, None, x, weight, rstd, dx)
 
 
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
@@ -268,9 +272,9 @@ def bind_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, stats: b
 
 
 def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
-    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd) ->
-    (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)``; ``ds`` [M, N] or None is added to dx in float32
-    before the one rounding."""
+    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd, dx=None)
+    -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)``; ``ds`` [M, N] or None is added to dx in float32
+    before the one rounding; dx written into the buffer given (contiguous; it may be dy) where there is one."""
     M, N = x.shape[0], int(x.shape[1])  # (N specialised where a graph made it symbolic: the settings follow it)
     dtype, device = x.dtype, x.device
     has_w, has_ds = weight is not None, ds is not None
@@ -284,9 +288,10 @@ def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rs
                   BLOCK_N=s.block_n, NUM_STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages)
         sum_dw = bind_sum_partials(programs, N, weight) if weight is not None else None
 
-        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-                ) -> tuple[Tensor, Tensor | None]:
-            dx = torch.empty((M, N), dtype=dtype, device=device)
+        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            if dx is None:
+                dx = torch.empty((M, N), dtype=dtype, device=device)
             dw_part = torch.empty((programs, N), dtype=torch.float32, device=device)
             k.go(dy, x, weight if has_w else x, rstd, dx, dw_part, M, N, rows_per_program, sdy, sx, N,
                  ds if has_ds else dy, sg)
@@ -302,9 +307,10 @@ def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rs
               BLOCK_N=s.block_n, num_warps=s.num_warps)
     sum_dw = bind_sum_partials(groups, N, weight) if weight is not None else None
 
-    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-                   ) -> tuple[Tensor, Tensor | None]:
-        dx = torch.empty((M, N), dtype=dtype, device=device)
+    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                   dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if dx is None:
+            dx = torch.empty((M, N), dtype=dtype, device=device)
         c = torch.empty(M, dtype=torch.float32, device=device)
         w = weight if has_w else x
         dot.go(dy, x, w, c, N, sdy, sx)

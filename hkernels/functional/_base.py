@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -372,7 +373,12 @@ def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            return _planned_backward(ctx.hk_plans, backward, ctx, grads)
+            plans = ctx.hk_plans
+            if getattr(ctx, "in_place", False):  # (an op that may write its input's gradient over grads[0])
+                ctx.hk_sole = sole = _sole(grads[0])
+                if plans is not None:  # the choice is part of the backward's plan
+                    plans = plans.setdefault(("sole", sole), {})
+            return _planned_backward(plans, backward, ctx, grads)
 
     _Eager.__name__ = _Eager.__qualname__ = f"{impl.__name__}_eager"
     # Function.apply's Python wrapper binds default arguments and unwraps functorch's dead wrappers: neither can be
@@ -637,6 +643,53 @@ def stats(x: Tensor) -> Tensor:
 def placeholder(x: Tensor) -> Tensor:
     """Custom ops cannot return None inside a tuple: an absent gradient travels as an empty tensor."""
     return x.new_empty(0)
+
+
+def reusable(grad: Tensor, like: Tensor, ctx: Any) -> bool:
+    """``grad``, a gradient the backward of ``ctx`` received, can take ``like``'s gradient in place: a plain eager
+    backward (no create_graph) that received it as the autograd engine's only reference (see :func:`_sole`), a plain
+    contiguous tensor, not a view, with ``like``'s dtype and shape."""
+    return (getattr(ctx, "hk_sole", False) and not torch.is_grad_enabled() and grad.__class__ is Tensor
+            and grad.dtype == like.dtype and grad.shape == like.shape and grad.is_contiguous() and not grad._is_view())
+
+
+def _sole(grad: Tensor | None) -> bool:
+    """Whether nothing but the autograd engine holds ``grad``, as an ``autograd.Function``'s backward first sees it:
+    no other tensor shares its memory-owning object (a gradient the caller passed, one shared with another input of
+    the node before it) and no Python object but the call's own holds it (a hook that kept it). The counts of such
+    a gradient are measured once on this interpreter and torch (:func:`_sole_counts`)."""
+    return grad is not None and grad.__class__ is Tensor and _counts(grad) == _sole_counts()
+
+
+def _counts(grad: Tensor) -> tuple[int, int]:
+    return sys.getrefcount(grad), grad._use_count()
+
+
+def _probe(grad: Tensor) -> tuple[int, int]:
+    return _counts(grad)  # (one frame deep, as in _sole: each frame holds a reference)
+
+
+_SOLE: list[tuple[int, int]] = []
+
+
+def _sole_counts() -> tuple[int, int]:
+    if not _SOLE:
+        seen: list[tuple[int, int]] = []
+
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Tensor) -> Tensor:
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:  # (as _Eager.backward sees its gradients)
+                seen.append(_probe(grads[0]))
+                return grads[0]
+
+        with torch.enable_grad():
+            (Probe.apply(torch.zeros(2, requires_grad=True)) * 2).sum().backward()
+        _SOLE.append(seen[0])
+    return _SOLE[0]
 
 
 def zeros_if_none(grad: Tensor | None, like: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from hkernels.functional._base import (
     compute_dtype,
     offset_weight,
     placeholder,
+    reusable,
     rows,
     rows_view,
     stats,
@@ -37,7 +38,7 @@ OP = "rms_norm"
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
-             casting: str = "float32") -> Tensor:
+             casting: str = "float32", in_place: bool = False) -> Tensor:
     """Root-mean-square norm over the last dim: ``x / sqrt(mean(x²) + eps) * (offset + weight)``.
 
     x: [..., N] float16/bfloat16/float32 (float64 on the torch backend); weight: [N] or None. ``offset``: Gemma's
@@ -49,17 +50,24 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset:
     their promoted dtype). They differ only where the weight's dtype is not x's (a float32 weight on a 16-bit x:
     the result is float32; two steps then, the norm and a multiply); with one dtype "llama" is the same fused
     kernel, rounding once where the module rounds twice.
+
+    ``in_place``: the backward writes x's gradient into the buffer of y's gradient, saving an [..., N] buffer,
+    where nothing else holds that buffer (no other reference to it, not a slice of a larger gradient, x's dtype
+    and layout); otherwise, and inside torch.compile (whose own planner reuses buffers), into a new one. A
+    gradient passed by the caller (``torch.autograd.grad(y, x, dy)``) is never overwritten.
     """
+    if in_place is not False and in_place is not True:
+        raise TypeError(f"hkernels.rms_norm: in_place must be a bool, got {type(in_place).__name__}")
     if casting != "float32":
         if casting != "llama":
             raise ValueError(f"hkernels.rms_norm: casting must be 'float32' or 'llama', got {casting!r}")
         if offset:
             raise ValueError("hkernels.rms_norm: casting='llama' is the form without an offset")
         if isinstance(weight, torch.Tensor) and isinstance(x, torch.Tensor) and weight.dtype != x.dtype:
-            return weight * _CALLS(x, None, eps)
+            return weight * (_IN_PLACE if in_place else _CALLS)(x, None, eps)
     if offset:
         weight = offset_weight(OP, weight, offset)
-    return _CALLS(x, weight, eps)
+    return (_IN_PLACE if in_place else _CALLS)(x, weight, eps)
 
 
 def _check(x: Any, weight: Any, eps: Any) -> None:
@@ -69,23 +77,32 @@ def _check(x: Any, weight: Any, eps: Any) -> None:
 
 
 def _body(request: str, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    y, _ = call(_fwd, as_rows(x), weight, float(eps), request)
+    y, _ = call(_fwd, as_rows(x), weight, float(eps), False, request)
     return y if y.shape == x.shape else y.reshape(x.shape)
+
+
+def _body_in_place(request: str, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    # the op on x's own shape: y's gradient reaches the backward as the autograd engine made it, no view between
+    # (whether anything else holds it can then be told: see ``reusable``)
+    return call(_fwd, x, weight, float(eps), True, request)[0]
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
 
 
+# in_place: the backward's choice (see rms_norm); the forward is the same either way.
 @torch.library.custom_op("hkernels::rms_norm_fwd", mutates_args=())
-def _fwd(x: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor]:
+def _fwd(x: Tensor, weight: Tensor | None, eps: float, in_place: bool, backend: str) -> tuple[Tensor, Tensor]:
+    # x: [M, N], or (in_place) [..., N]; y as x, rstd [M]
     if x.numel() == 0:
-        return x.new_empty(x.shape), stats(x)
-    return dispatch.run(OP, "rms_norm_fwd", backend, rows(x), weight, eps)
+        return x.new_empty(x.shape), stats(as_rows(x))
+    y, rstd = dispatch.run(OP, "rms_norm_fwd", backend, rows(as_rows(x)), weight, eps)
+    return (y if y.shape == x.shape else y.view(x.shape)), rstd
 
 
 @_fwd.register_fake
-def _(x: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), stats(x)
+def _(x: Tensor, weight: Tensor | None, eps: float, in_place: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), stats(as_rows(x))
 
 
 @torch.library.custom_op("hkernels::rms_norm_bwd", mutates_args=())
@@ -93,8 +110,8 @@ def _bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: st
     if x.numel() == 0:
         dw = torch.zeros_like(weight) if weight is not None else placeholder(x)
         return x.new_zeros(x.shape), dw
-    dx, dw = dispatch.run(OP, "rms_norm_bwd", backend, rows(dy), rows(x), weight, rstd)
-    return dx, dw if dw is not None else placeholder(x)
+    dx, dw = dispatch.run(OP, "rms_norm_bwd", backend, rows(as_rows(dy)), rows(as_rows(x)), weight, rstd)
+    return (dx if dx.shape == x.shape else dx.view(x.shape)), dw if dw is not None else placeholder(x)
 
 
 @_bwd.register_fake
@@ -102,20 +119,38 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) 
     return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else placeholder(x))
 
 
+@torch.library.custom_op("hkernels::rms_norm_bwd_into", mutates_args=("dy",))
+def _bwd_into(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> Tensor:
+    """The backward writing dx over dy (contiguous, x's dtype and shape); returns dw."""
+    if x.numel() == 0:
+        return torch.zeros_like(weight) if weight is not None else placeholder(x)
+    grad = as_rows(dy)
+    _dx, dw = dispatch.run(OP, "rms_norm_bwd", backend, grad, rows(as_rows(x)), weight, rstd, grad)
+    return dw if dw is not None else placeholder(x)
+
+
+@_bwd_into.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> Tensor:
+    return weight.new_empty(weight.shape) if weight is not None else placeholder(x)
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    x, weight, _eps, backend = inputs
+    x, weight, _eps, in_place, backend = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.backend = backend
+    ctx.backend, ctx.in_place = backend, in_place
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # (no zeros made for rstd's gradient, which is never used)
 
 
 def _backward(ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
     if dy is None:
-        return None, None, None, None
+        return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
+    if ctx.in_place and reusable(dy, x, ctx):
+        dw = call(_bwd_into, dy, x, weight, rstd, ctx.backend)
+        return dy, (dw if weight is not None else None), None, None, None
     dx, dw = call(_bwd, dy, x, weight, rstd, ctx.backend)
-    return dx, (dw if weight is not None else None), None, None
+    return dx, (dw if weight is not None else None), None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -130,7 +165,7 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _drstd: Tensor | None
     def backward(ctx: Any, dy: Tensor, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         dx, dw = run(dy, x, weight, rstd)
-        return dx, dw, None
+        return dx, dw, None, None
     return backward
 
 
@@ -172,14 +207,16 @@ def _bind_rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool
 rms_norm_fwd.bind = _bind_rms_norm_fwd  # type: ignore[attr-defined]
 
 
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
-    """dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x);  dw = Σ_rows dy·x·rstd."""
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor | None]:
+    """dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x);  dw = Σ_rows dy·x·rstd. With ``dx`` given (it may be dy), the
+    result is written there."""
     ct = compute_dtype(x.dtype)
     xf, dyf, r = x.to(ct), dy.to(ct), rstd.to(ct)[:, None]
     wdy = dyf * weight.to(ct) if weight is not None else dyf
-    dx = r * wdy - xf * r.pow(3) * (wdy * xf).mean(-1, keepdim=True)
+    grad = r * wdy - xf * r.pow(3) * (wdy * xf).mean(-1, keepdim=True)
     dw = (dyf * xf * r).sum(0).to(weight.dtype) if weight is not None else None
-    return dx.to(x.dtype), dw
+    return (grad.to(x.dtype) if dx is None else dx.copy_(grad)), dw
 
 
 def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float) -> Any:
@@ -190,9 +227,9 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight):
-        apply = Lane(recorded, _setup, _backward, request, 3, None if flat else shape, rows_of, 1, 1,
-                     _backward_fast).apply
-        return lambda x, weight, eps: apply(x, weight, eps)[0]
+        lane = Lane(lambda x, weight, eps, _in_place: recorded(x, weight, eps), _setup, _backward, request, 4,
+                    None if flat else shape, rows_of, 1, 1, _backward_fast).apply
+        return lambda x, weight, eps: lane(x, weight, eps, False)[0]
     run = dispatch.rebind(recorded, "rms_norm_fwd", x if flat else x.view(rows_of), weight, eps, stats=False)
     if run is None or flat:
         return run
@@ -200,4 +237,6 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
 
 
 # Under autocast: as F.rms_norm (float32 where PyTorch computes it in float32: CUDA).
-_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::rms_norm",)))
+_AUTOCAST = Autocast("float32", ("aten::rms_norm",))
+_CALLS = Public(OP, _check, _body, _fast, autocast=_AUTOCAST)
+_IN_PLACE = Public(OP, _check, _body_in_place, autocast=_AUTOCAST)

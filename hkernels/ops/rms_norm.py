@@ -64,15 +64,15 @@ def _rms_norm_fwd(
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, rows_per_program: int,
-    programs: int,
-) -> tuple[Tensor, Tensor]:
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor,
+    rows_per_program: int, programs: int,
+) -> Tensor:
     # Resident rows, persistent: program g walks rows [g·R, (g+1)·R) (none past M), reads dy and x once, writes
-    # dx, and keeps its share of dw in registers; returns dx [M, N] and the dw partials [programs, N] float32.
-    # With ds (add_rms_norm: the gradient that reaches x directly) it also reads ds and adds it to dx.
+    # dx [M, N] (the host's buffer: it may be dy, each element read before it is written), and keeps its share of
+    # dw in registers; returns the dw partials [programs, N] float32. With ds (add_rms_norm: the gradient that
+    # reaches x directly) it also reads ds and adds it to dx.
     m, n = x.size()
     n = hl.specialize(n)
-    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([programs, n], dtype=torch.float32, device=x.device)
     for g in hl.grid(programs):
         dw_acc = hl.zeros([n], dtype=torch.float32)
@@ -91,7 +91,7 @@ def _rms_norm_bwd(
             dx[tile_m, :] = dxf.to(dx.dtype)
             dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
         dw_part[g, :] = dw_acc
-    return dx, dw_part
+    return dw_part
 
 
 @helion.kernel(static_shapes=False)
@@ -110,14 +110,13 @@ def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd_looped(
-    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, rows_per_program: int,
-    groups: int,
-) -> tuple[Tensor, Tensor]:
-    # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again (and ds, once), writes dx,
-    # and sums its rows' share of dw for its columns.
+    dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, dx: Tensor,
+    rows_per_program: int, groups: int,
+) -> Tensor:
+    # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again (and ds, once), writes dx
+    # (as above), and sums its rows' share of dw for its columns.
     m, n = x.size()
     n = hl.specialize(n)
-    dx = torch.empty([m, n], dtype=x.dtype, device=x.device)
     dw_part = torch.empty([groups, n], dtype=torch.float32, device=x.device)
     for tile_g, tile_n in hl.tile([groups, n], block_size=[1, None]):
         dw_acc = hl.zeros([tile_n], dtype=torch.float32)
@@ -135,7 +134,7 @@ def _rms_norm_bwd_looped(
             dx[tile_m, tile_n] = dxf.to(dx.dtype)
             dw_acc = dw_acc + torch.sum(dyf * xf * r[:, None], dim=0)
         dw_part[tile_g.begin, tile_n] = dw_acc
-    return dx, dw_part
+    return dw_part
 
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
@@ -143,9 +142,11 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     return _bind_fwd(x, weight, eps)(x, weight, eps)
 
 
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
-    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)."""
-    return _bind_bwd(dy, x, weight, rstd)(dy, x, weight, rstd)
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor | None]:
+    """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None);
+    dx written into the given buffer (contiguous; it may be dy) where there is one."""
+    return _bind_bwd(dy, x, weight, rstd)(dy, x, weight, rstd, dx)
 
 
 def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) -> Callable[..., Any]:
@@ -166,9 +167,10 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) 
 
 
 
-def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+              ) -> Callable[..., Any]:
     run = bind_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd)
-    return lambda dy, x, weight, rstd: run(dy, None, x, weight, rstd)
+    return lambda dy, x, weight, rstd, dx=None: run(dy, None, x, weight, rstd, dx)
 
 
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
@@ -179,42 +181,48 @@ rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]
 def bind_bwd(
     resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
 ) -> Callable[..., tuple[Tensor, Tensor | None]]:
-    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd) ->
-    (dx [M, N] in x.dtype, dw [N] or None)``. ``resident``, ``looped``: the two kernels as ``_helion.bind`` takes
-    them (add_rms_norm passes them under its own names, for its own configs); ``ds`` [M, N] or None is added to
-    dx before the one rounding."""
+    """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd,
+    dx=None) -> (dx [M, N] in x.dtype, dw [N] or None)``. ``resident``, ``looped``: the two kernels as
+    ``_helion.bind`` takes them (add_rms_norm passes them under its own names, for its own configs); ``ds`` [M, N]
+    or None is added to dx before the one rounding; dx is written into the buffer given (contiguous; it may be dy)
+    where there is one."""
     M, N = x.shape
-    device = x.device
+    device, dtype = x.device, x.dtype
     if M == 1:
         pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
         padded = bind_bwd(resident, looped, pdy, pds, px, weight, prstd)
 
-        def run_one_row(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-                        ) -> tuple[Tensor, Tensor | None]:
+        def run_one_row(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                        dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
             pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
-            dx, dw = padded(pdy, pds, px, weight, prstd)
-            return dx[:1], dw
+            grad, dw = padded(pdy, pds, px, weight, prstd)
+            return (grad[:1] if dx is None else dx.copy_(grad[:1])), dw
         return run_one_row
     sum_dw = lazy_sum_partials() if weight is not None else None
+    example = torch.empty_like(x, memory_format=torch.contiguous_format)  # dx's, for binding
     if N <= MAX_RESIDENT_BWD:
         rows, programs = _helion.persistent(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
-        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, rows, programs), N, device)
+        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, example, rows, programs), N, device)
 
-        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-                ) -> tuple[Tensor, Tensor | None]:
-            dx, dw_part = fn(dy, ds, x, weight, rstd, rows, programs, _launcher=launcher)
+        def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            if dx is None:
+                dx = torch.empty((x.shape[0], N), dtype=dtype, device=device)
+            dw_part = fn(dy, ds, x, weight, rstd, dx, rows, programs, _launcher=launcher)
             return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
         return run
     dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight), N, device)
     block_n = _helion.config_for(looped.name, N, device, x.dtype).block_sizes[0]
     rows, groups = _helion.row_groups(M, N, block_n, device)
     c = torch.empty(M, dtype=torch.float32, device=device)  # an example of the dot's output, for binding
-    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, rows, groups), N, device)
+    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, example, rows, groups), N, device)
 
-    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
-                   ) -> tuple[Tensor, Tensor | None]:
+    def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                   dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         c = dot(dy, x, weight, _launcher=dot_launcher)
-        dx, dw_part = fn(dy, ds, x, weight, rstd, c, rows, groups, _launcher=launcher)
+        if dx is None:
+            dx = torch.empty((x.shape[0], N), dtype=dtype, device=device)
+        dw_part = fn(dy, ds, x, weight, rstd, c, dx, rows, groups, _launcher=launcher)
         return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
     return run_looped
 
