@@ -657,8 +657,8 @@ def _sole(grad: Tensor | None) -> bool:
     """Whether nothing but the autograd engine holds ``grad``, as an ``autograd.Function``'s backward first sees it:
     no other tensor shares its memory-owning object (a gradient the caller passed, one shared with another input of
     the node before it) and no Python object but the call's own holds it (a hook that kept it). The counts of such
-    a gradient are measured once on this interpreter and torch (:func:`_sole_counts`)."""
-    return grad is not None and grad.__class__ is Tensor and _counts(grad) == _sole_counts()
+    a gradient are measured once on this interpreter and torch (:func:`sole_counts`)."""
+    return grad is not None and grad.__class__ is Tensor and _counts(grad) == sole_counts()
 
 
 def _counts(grad: Tensor) -> tuple[int, int]:
@@ -672,7 +672,8 @@ def _probe(grad: Tensor) -> tuple[int, int]:
 _SOLE: list[tuple[int, int]] = []
 
 
-def _sole_counts() -> tuple[int, int]:
+def sole_counts() -> tuple[int, int]:
+    """The counts :func:`_sole` compares with, measured on the first call."""
     if not _SOLE:
         seen: list[tuple[int, int]] = []
 

@@ -30,6 +30,7 @@ from hkernels.functional._base import (
     reusable,
     rows,
     rows_view,
+    sole_counts,
     stats,
     wants_grad,
 )
@@ -56,8 +57,11 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset:
     and layout); otherwise, and inside torch.compile (whose own planner reuses buffers), into a new one. A
     gradient passed by the caller (``torch.autograd.grad(y, x, dy)``) is never overwritten.
     """
-    if in_place is not False and in_place is not True:
-        raise TypeError(f"hkernels.rms_norm: in_place must be a bool, got {type(in_place).__name__}")
+    if in_place is not False:
+        if in_place is not True:
+            raise TypeError(f"hkernels.rms_norm: in_place must be a bool, got {type(in_place).__name__}")
+        if not torch.compiler.is_compiling():
+            sole_counts()  # (measured once, here rather than inside a backward)
     if casting != "float32":
         if casting != "llama":
             raise ValueError(f"hkernels.rms_norm: casting must be 'float32' or 'llama', got {casting!r}")
