@@ -584,44 +584,55 @@ def test_norm_llama_casting_is_hugging_faces_llama_rmsnorm(device):
         hkernels.rms_norm(x, w, offset=1.0, casting="llama")
 
 
-def _norm_grads(backend: str, shape: tuple[int, ...], in_place: bool, tail: str, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, bool, list[torch.Tensor]]:
-    """rms_norm forward and backward on one backend, y's gradient reaching it as ``tail`` makes it: (x's gradient,
-    w's, whether x's gradient is the buffer y's gradient came in, the tensors that must be left as they were)."""
+def _norm_grads(op: str, backend: str, shape: tuple[int, ...], in_place: bool, tail: str, device: torch.device
+                ) -> tuple[tuple[torch.Tensor, ...], bool, list[torch.Tensor]]:
+    """rms_norm (or add_rms_norm, its sum's gradient coming in too) forward and backward on one backend, y's
+    gradient reaching it as ``tail`` makes it: (the inputs' gradients, whether x's (or residual's) gradient is the
+    buffer y's gradient came in, the tensors that must be left as they were)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=g).to(device).requires_grad_()
     w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
     r = torch.randn(shape, generator=g).to(device).requires_grad_()
+    res = torch.randn(shape, generator=g).to(device).requires_grad_()
+    inputs = (x, w) if op == "rms_norm" else (x, res, w)
     with hkernels.use_backend(backend):
-        y = hkernels.rms_norm(x, w, 1e-6, in_place=in_place)
+        if op == "rms_norm":
+            y, h = hkernels.rms_norm(x, w, 1e-6, in_place=in_place), None
+        else:
+            y, h = hkernels.add_rms_norm(x, res, w, 1e-6, in_place=in_place)
         seen: list[int] = []
         kept: list[torch.Tensor] = []
         y.register_hook(lambda grad: seen.append(grad.data_ptr()))  # (holds nothing past the call)
+        more = (h * 0.5).sum() if h is not None else 0.0
         if tail == "scaled":
-            (y * 3).sum().backward()
+            ((y * 3).sum() + more).backward()
         elif tail == "residual":  # y's gradient is also r's (the add passes one tensor to both)
-            ((y + r) * 3).sum().backward()
+            (((y + r) * 3).sum() + more).backward()
             kept.append(r.grad)
         elif tail == "given":  # the caller's own tensor
             up = torch.full(shape, 3.0, device=device)
-            y.backward(up)
+            torch.autograd.backward([y] if h is None else [y, h], [up] if h is None else [up, torch.ones_like(h)])
             kept.append(up)
         elif tail == "hooked":  # a hook that keeps y's gradient
             y.register_hook(kept.append)
-            (y * 3).sum().backward()
-    return x.grad, w.grad, x.grad.data_ptr() == seen[0], kept
+            ((y * 3).sum() + more).backward()
+    # (add_rms_norm's one gradient goes to x and residual: one of them takes the buffer, the other a copy)
+    return tuple(t.grad for t in inputs), seen[0] in (x.grad.data_ptr(), res.grad.data_ptr() if h is not None
+                                                      else None), kept
 
 
 @pytest.mark.parametrize("backend", ["helion", "triton", "torch"])
 @pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32), (1, 32), (3, 8200)], ids=str)
-def test_norm_in_place_writes_the_input_gradient_over_the_output_gradient(backend, shape, device):
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_norm_in_place_writes_the_input_gradient_over_the_output_gradient(op, backend, shape, device):
     """in_place=True: the backward writes x's gradient into the buffer of y's gradient where nothing else holds
     it, the same values as out of place; where something does (a gradient shared with a residual, passed by the
     caller, kept by a hook) it writes a new buffer and leaves that one as it was."""
     for tail in ("scaled", "residual", "given", "hooked"):
-        dx, dw, _, _ = _norm_grads(backend, shape, False, tail, device)
-        got_dx, got_dw, reused, kept = _norm_grads(backend, shape, True, tail, device)
-        assert torch.equal(got_dx, dx) and torch.equal(got_dw, dw), tail
+        want, _, _ = _norm_grads(op, backend, shape, False, tail, device)
+        got, reused, kept = _norm_grads(op, backend, shape, True, tail, device)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), tail
         assert reused == (tail in ("scaled", "residual")), f"{tail}: y's gradient buffer reused: {reused}"
         for t in kept:
             assert torch.equal(t, torch.full(shape, 3.0, device=device)), f"{tail}: a held gradient was written"
@@ -631,6 +642,8 @@ def test_norm_in_place_is_a_bool_and_left_to_the_compiler_in_graphs(device):
     x = torch.randn(4, 16, device=device, requires_grad=True)
     with pytest.raises(TypeError, match=r"hkernels\.rms_norm: in_place must be a bool, got int"):
         hkernels.rms_norm(x, None, in_place=1)
+    with pytest.raises(TypeError, match=r"hkernels\.add_rms_norm: in_place must be a bool, got str"):
+        hkernels.add_rms_norm(x, x, None, in_place="yes")
     w = torch.randn(16, device=device, requires_grad=True)
     up = torch.randn(4, 16, device=device)
     want = torch.autograd.grad(hkernels.rms_norm(x, w), (x, w), up)

@@ -26,11 +26,12 @@ def add_rms_norm_fwd(
 
 
 def add_rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
+    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
-    -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None)."""
-    return rms_norm.bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd)
+    -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None); dsum written into ``dx`` where given (it may be
+    dy)."""
+    return rms_norm.bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd, dx)
 
 
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.

@@ -271,7 +271,8 @@ def bind_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None, stats: b
     return run_residual
 
 
-def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+def bind_bwd(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+             ) -> Callable[..., Any]:
     """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd, dx=None)
     -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None)``; ``ds`` [M, N] or None is added to dx in float32
     before the one rounding; dx written into the buffer given (contiguous; it may be dy) where there is one."""

@@ -30,8 +30,10 @@ from hkernels.functional._base import (
     compute_dtype,
     offset_weight,
     placeholder,
+    reusable,
     rows,
     rows_view,
+    sole_counts,
     stats,
     wants_grad,
     zeros_if_none,
@@ -42,18 +44,24 @@ from hkernels.functional.rms_norm import rms_norm, rms_norm_fwd
 OP = "add_rms_norm"
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0
-                 ) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
+                 in_place: bool = False) -> tuple[Tensor, Tensor]:
     """The residual add and RMS norm of a Llama block in one pass: ``(rms_norm(x + residual) * weight, x + residual)``.
 
     x, residual: [..., N], one shape and dtype; weight: [N] or None. The sum is rounded to x's dtype before the
     norm (as the unfused ``h = x + residual; rms_norm(h)`` does) and returned as the next residual. Math in
     float32. ``offset``: the scale is ``offset + weight`` (Gemma's ``1 + weight`` is ``offset=1.0``, in float32).
-    Differentiable in x, residual and weight, through both outputs.
+    Differentiable in x, residual and weight, through both outputs. ``in_place``: as :func:`hkernels.rms_norm`'s,
+    the sum's gradient written over y's where nothing else holds that buffer.
     """
+    if in_place is not False:
+        if in_place is not True:
+            raise TypeError(f"hkernels.add_rms_norm: in_place must be a bool, got {type(in_place).__name__}")
+        if not torch.compiler.is_compiling():
+            sole_counts()  # (measured once, here rather than inside a backward)
     if offset:
         weight = offset_weight(OP, weight, offset)
-    return _CALLS(x, residual, weight, eps)
+    return (_IN_PLACE if in_place else _CALLS)(x, residual, weight, eps)
 
 
 def _check(x: Any, residual: Any, weight: Any, eps: Any) -> None:
@@ -65,26 +73,37 @@ def _check(x: Any, residual: Any, weight: Any, eps: Any) -> None:
 
 
 def _body(request: str, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    y, s, _ = call(_fwd, as_rows(x), as_rows(residual), weight, float(eps), request)
+    y, s, _ = call(_fwd, as_rows(x), as_rows(residual), weight, float(eps), False, request)
     if y.shape == x.shape:
         return y, s
     return y.reshape(x.shape), s.reshape(x.shape)
 
 
+def _body_in_place(request: str, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+                   ) -> tuple[Tensor, Tensor]:
+    # the op on x's own shape, as rms_norm's in place (y's gradient reaches the backward with no view between)
+    y, s, _ = call(_fwd, x, residual, weight, float(eps), True, request)
+    return y, s
+
+
 # ------------------------------------------------------------------------------------------------------ autograd
 
 
+# x, residual: [M, N], or (in_place: the backward's choice) [..., N]; y and s as x, rstd [M]
 @torch.library.custom_op("hkernels::add_rms_norm_fwd", mutates_args=())
-def _fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
+def _fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, in_place: bool, backend: str
          ) -> tuple[Tensor, Tensor, Tensor]:
     if x.numel() == 0:
-        return x.new_empty(x.shape), x.new_empty(x.shape), stats(x)
-    return dispatch.run(OP, "add_rms_norm_fwd", backend, rows(x), rows(residual), weight, eps)
+        return x.new_empty(x.shape), x.new_empty(x.shape), stats(as_rows(x))
+    y, s, rstd = dispatch.run(OP, "add_rms_norm_fwd", backend, rows(as_rows(x)), rows(as_rows(residual)), weight,
+                              eps)
+    return (y, s, rstd) if y.shape == x.shape else (y.view(x.shape), s.view(x.shape), rstd)
 
 
 @_fwd.register_fake
-def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty(x.shape), x.new_empty(x.shape), stats(x)
+def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, in_place: bool, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape), stats(as_rows(x))
 
 
 @torch.library.custom_op("hkernels::add_rms_norm_bwd", mutates_args=())
@@ -93,9 +112,9 @@ def _bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: 
     if s.numel() == 0:
         dw = torch.zeros_like(weight) if weight is not None else placeholder(s)
         return s.new_zeros(s.shape), dw
-    ds = rows(ds) if ds is not None else None
-    dx, dw = dispatch.run(OP, "add_rms_norm_bwd", backend, rows(dy), ds, s, weight, rstd)
-    return dx, dw if dw is not None else placeholder(s)
+    ds = rows(as_rows(ds)) if ds is not None else None
+    dx, dw = dispatch.run(OP, "add_rms_norm_bwd", backend, rows(as_rows(dy)), ds, as_rows(s), weight, rstd)
+    return (dx if dx.shape == s.shape else dx.view(s.shape)), dw if dw is not None else placeholder(s)
 
 
 @_bwd.register_fake
@@ -104,18 +123,37 @@ def _(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Ten
     return s.new_empty(s.shape), (weight.new_empty(weight.shape) if weight is not None else placeholder(s))
 
 
+@torch.library.custom_op("hkernels::add_rms_norm_bwd_into", mutates_args=("dy",))
+def _bwd_into(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> Tensor:
+    """The backward writing the sum's gradient over dy (contiguous, s's dtype and shape); returns dw."""
+    if s.numel() == 0:
+        return torch.zeros_like(weight) if weight is not None else placeholder(s)
+    grad = as_rows(dy)
+    ds = rows(as_rows(ds)) if ds is not None else None
+    _dx, dw = dispatch.run(OP, "add_rms_norm_bwd", backend, grad, ds, as_rows(s), weight, rstd, grad)
+    return dw if dw is not None else placeholder(s)
+
+
+@_bwd_into.register_fake
+def _(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, backend: str) -> Tensor:
+    return weight.new_empty(weight.shape) if weight is not None else placeholder(s)
+
+
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    _x, _residual, weight, _eps, backend = inputs
+    _x, _residual, weight, _eps, in_place, backend = inputs
     ctx.save_for_backward(output[1], weight, output[2])
-    ctx.backend = backend
+    ctx.backend, ctx.in_place = backend, in_place
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
     s, weight, rstd = ctx.saved_tensors
+    if ctx.in_place and dy is not None and reusable(dy, s, ctx):
+        dw = call(_bwd_into, dy, ds, s, weight, rstd, ctx.backend)
+        return dy, dy, (dw if weight is not None else None), None, None, None
     dy = zeros_if_none(dy, s)
     dsum, dw = call(_bwd, dy, ds, s, weight, rstd, ctx.backend)
-    return dsum, dsum, (dw if weight is not None else None), None, None
+    return dsum, dsum, (dw if weight is not None else None), None, None, None
 
 
 autograd(_fwd, _backward, _setup)
@@ -130,7 +168,7 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, ds: Tensor | None, _d
     def backward(ctx: Any, dy: Tensor, ds: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
         s, weight, rstd = ctx.saved_tensors
         dsum, dw = run(dy, ds, s, weight, rstd)
-        return dsum, dsum, dw, None
+        return dsum, dsum, dw, None, None
     return backward
 
 
@@ -172,17 +210,18 @@ def _bind_add_rms_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, e
 add_rms_norm_fwd.bind = _bind_add_rms_norm_fwd  # type: ignore[attr-defined]
 
 
-def add_rms_norm_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
-                     ) -> tuple[Tensor, Tensor | None]:
-    """dsum = rms_norm's dx at s + ds (the gradient of x and of residual); dw."""
+def add_rms_norm_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor,
+                     dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """dsum = rms_norm's dx at s + ds (the gradient of x and of residual), written into ``dx`` where given (it may
+    be dy); dw."""
     ct = compute_dtype(s.dtype)
     sf, dyf, r = s.to(ct), dy.to(ct), rstd.to(ct)[:, None]
     wdy = dyf * weight.to(ct) if weight is not None else dyf
-    dx = r * wdy - sf * r.pow(3) * (wdy * sf).mean(-1, keepdim=True)
+    grad = r * wdy - sf * r.pow(3) * (wdy * sf).mean(-1, keepdim=True)
     if ds is not None:
-        dx = dx + ds.to(ct)
+        grad = grad + ds.to(ct)
     dw = (dyf * sf * r).sum(0).to(weight.dtype) if weight is not None else None
-    return dx.to(s.dtype), dw
+    return (grad.to(s.dtype) if dx is None else dx.copy_(grad)), dw
 
 
 def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> Any:
@@ -193,9 +232,9 @@ def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor |
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, residual, weight):
-        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 2, 2,
-                     _backward_fast).apply
-        return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
+        apply = Lane(lambda x, residual, weight, eps, _in_place: recorded(x, residual, weight, eps), _setup,
+                     _backward, request, 5, None if flat else shape, rows_of, 2, 2, _backward_fast).apply
+        return lambda x, residual, weight, eps: apply(x, residual, weight, eps, False)[:2]
     x2, r2 = (x, residual) if flat else (x.view(rows_of), residual.view(rows_of))
     run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)
     if run is None or flat:
@@ -229,4 +268,6 @@ def _under_autocast(public: Public, args: tuple[Any, ...], dtype: torch.dtype, a
     return public(x, residual, weight, eps)
 
 
-_CALLS = Public(OP, _check, _body, _fast, autocast=Autocast("float32", ("aten::rms_norm",), _under_autocast))
+_AUTOCAST = Autocast("float32", ("aten::rms_norm",), _under_autocast)
+_CALLS = Public(OP, _check, _body, _fast, autocast=_AUTOCAST)
+_IN_PLACE = Public(OP, _check, _body_in_place, autocast=_AUTOCAST)

@@ -72,11 +72,12 @@ def add_rms_norm_fwd(
 
 
 def add_rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor
+    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
-    -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None)."""
-    return _bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd)
+    -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None); dsum written into ``dx`` where given (it may be
+    dy)."""
+    return _bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd, dx)
 
 
 def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, stats: bool = True
@@ -109,7 +110,8 @@ def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, st
     return run
 
 
-def _bind_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor) -> Callable[..., Any]:
+def _bind_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor,
+              dx: Tensor | None = None) -> Callable[..., Any]:
     if ds is None:  # rms_norm's backward at s, launched as rms_norm launches it
         return rms_norm.bind_bwd(rms_norm._rms_norm_bwd, rms_norm._rms_norm_bwd_looped, dy, None, s, weight, rstd)
     return rms_norm.bind_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
