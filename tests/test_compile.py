@@ -339,7 +339,8 @@ SYMBOLIC_TRACED = [
                                 "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul",
                                 "attention_varlen", "grouped_matmul", "moe")),
     *((op, "helion") for op in ("rms_norm", "add_rms_norm", "layer_norm", "softmax", "swiglu", "geglu", "rope",
-                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul")),
+                                "qk_norm_rope", "cross_entropy", "fused_linear_cross_entropy", "attention", "matmul",
+                                "grouped_matmul", "moe")),
 ]
 
 
@@ -418,8 +419,11 @@ def test_every_kernel_launch_is_traced_into_the_graph():
                 assert f"{name} every size symbolic" in ok, (op, fn, backend)
     for name in ("grouped_matmul grouped_matmul_fwd.default triton", "grouped_matmul grouped_matmul_bwd.default triton",
                  "moe moe_fwd.default triton", "moe moe_bwd.default triton", "matmul matmul_fwd.default helion",
+                 "grouped_matmul grouped_matmul_fwd.default helion", "grouped_matmul grouped_matmul_bwd.default helion",
+                 "moe moe_fwd.default helion", "moe moe_bwd.default helion",
                  "attention_varlen attention_varlen_bwd.default triton",
-                 "decode_attention decode_attention_fwd.default triton"):  # (the cache length, for decoding)
+                 "decode_attention decode_attention_fwd.default triton",  # (the cache length, for decoding)
+                 "decode_attention decode_attention_fwd.default helion"):
         assert f"{name} symbolic" in ok and f"{name} every size symbolic" in ok, name
 
 

@@ -88,7 +88,8 @@ def test_the_split_plan_fills_the_gpu(monkeypatch):
     assert chunk >= 256 and ns * chunk >= 1000 and ns <= 4
 
 
-def test_a_symbolic_cache_length_keeps_the_split_count(monkeypatch, device):
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_a_symbolic_cache_length_keeps_the_split_count(backend, monkeypatch, device):
     """At a symbolic S_max (a compiled graph whose cache grows a row a step) the count of splits comes from the
     programs alone and each chunk is the length's share: splits that start past the cache find no key, and the
     result is the reference's (here on concrete sizes, the plan as it is at a symbolic one)."""
@@ -106,9 +107,13 @@ def test_a_symbolic_cache_length_keeps_the_split_count(monkeypatch, device):
         want = max(1, min(t_decode.MAX_SPLITS, 6 * plan(programs, s_max, block_n, min_chunk, per_sm, device)[0]))
         return want, t_decode.cdiv(t_decode.cdiv(s_max, want), block_n) * block_n  # (more splits than chunks)
 
-    monkeypatch.setattr(t_decode, "split_plan", at_symbolic)
+    if backend == "helion":
+        from hkernels.ops import decode_attention as module
+    else:
+        module = t_decode
+    monkeypatch.setattr(module, "split_plan", at_symbolic)
     q, k, v, lengths = _inputs(device, torch.float32)
-    got = t_decode.decode_attention_fwd(q, k, v, lengths, 0.125, -1, 0.0)
+    got = module.decode_attention_fwd(q, k, v, lengths, 0.125, -1, 0.0)
     want = references.decode_attention(q.double(), k.double(), v.double(), lengths, scale=0.125)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 

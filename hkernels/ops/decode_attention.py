@@ -27,6 +27,10 @@ from triton_fallback.decode_attention import split_plan
 
 Tensor = torch.Tensor
 LOG2E = math.log2(math.e)
+
+# Recorded with a symbolic cache length (a compiled decode loop's, growing a row a step): the split count from the
+# programs alone (``split_plan``), an unbounded window side as 2^30 rather than the length.
+SYMBOLIC = frozenset({"decode_attention_fwd"})
 _TWO_LOG2E = 2.0 * LOG2E
 _INT32_LIMIT = 2**31 - 1
 
@@ -166,7 +170,8 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
     ns, chunk = split_plan(B * Hk * -(-Rp // rows_per_tile), k_cache.shape[2], block_n,
                            int(bucket.get("min_chunk", 256)), int(bucket.get("programs_per_sm", 2)), q.device)
     flags = (rows_per_tile, softcap > 0.0, window_left >= 0, ns > 1)
-    numbers = (Sq, chunk, window_left if window_left >= 0 else S + Sq, qk_scale, cap_in, cap_out)
+    unbounded = S + Sq if type(S) is int else 1 << 30
+    numbers = (Sq, chunk, window_left if window_left >= 0 else unbounded, qk_scale, cap_in, cap_out)
     if ns == 1:
         o = torch.empty((B, Hk, Rp, 1, D), dtype=q.dtype, device=q.device)
         unused = torch.empty((B, Hk, Rp, 1), dtype=torch.float32, device=q.device)
@@ -181,5 +186,5 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
         rows = B * Hk * Rp
         _helion.run(_decode_attention_combine, (o_part.view(rows, ns, D), lse_part.view(rows, ns),
                                                 o.view(rows, D)), D, q.device)
-    o = o[:, :, :R, 0]
+    o = o.narrow(2, 0, R).select(3, 0)  # (narrowed, not indexed: see hkernels/runtime/routing.py's bounds)
     return o.reshape(B, Hq, Sq, D)

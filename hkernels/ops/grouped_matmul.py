@@ -17,6 +17,9 @@ from hkernels.runtime.routing import bounds, group_ends
 
 Tensor = torch.Tensor
 
+# Recorded with a symbolic row count (see ``hkernels/ops/rms_norm.py``): the group bounds are read on the device.
+SYMBOLIC = frozenset({"grouped_matmul_fwd", "grouped_matmul_bwd"})
+
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _grouped_matmul_fwd(x: Tensor, weight: Tensor, starts: Tensor, ends: Tensor, tails: Tensor, y: Tensor) -> None:

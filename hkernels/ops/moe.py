@@ -20,6 +20,10 @@ from hkernels.runtime.routing import ROUTE_MAX, bounds, routing
 
 Tensor = torch.Tensor
 
+# Recorded with a symbolic token count (see ``hkernels/ops/rms_norm.py``): routed by the sort on the device, the
+# group bounds read on the device.
+SYMBOLIC = frozenset({"moe_fwd", "moe_bwd"})
+
 
 @helion.kernel(static_shapes=False)
 def _moe_route(ids: Tensor, src: Tensor, order: Tensor, pos: Tensor, starts: Tensor, ends: Tensor, tails: Tensor,
@@ -65,7 +69,7 @@ def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tens
     tails [E]): one launch up to ROUTE_MAX slots (the decode sizes, where ~20 PyTorch ops cost more host time
     than the experts' kernels), torch.sort past it."""
     n = topk_ids.numel()
-    if n > ROUTE_MAX or n == 0:
+    if type(n) is not int or n > ROUTE_MAX or n == 0:  # (a symbolic count: the sort, which serves every count)
         src, order, pos, ends = routing(topk_ids, experts)
         return src, order, pos, ends, *bounds(ends)
     # Separate buffers: the custom op returns src, order, pos and ends, which may not alias one another.
@@ -73,7 +77,7 @@ def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tens
     starts, ends, tails = (torch.empty(experts + 1, dtype=torch.int32, device=topk_ids.device) for _ in range(3))
     _helion.run(_moe_route, (topk_ids.view(-1), src, order, pos, starts, ends, tails, topk_ids.shape[1]), n,
                 topk_ids.device)
-    return src, order, pos, ends, starts[:experts], ends[:experts], tails[:experts]
+    return src, order, pos, ends, *(t.narrow(0, 0, experts) for t in (starts, ends, tails))
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
@@ -233,9 +237,10 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     starts, group_ends, tails = bounds(ends)
     # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
     tw = topk_weights.reshape(-1)
-    if rows == 1:
+    one = type(rows) is int and rows == 1  # (a symbolic count is at least 2)
+    if one:
         src, order, tw, pre = (torch.cat([t, t]) for t in (src, order, tw, pre))
-    padded = max(rows, 2)
+    padded = 2 if one else rows
     dpre = torch.empty((padded, I2), dtype=x.dtype, device=x.device)
     hw = torch.empty((padded, I2 // 2), dtype=x.dtype, device=x.device)
     dsw = torch.zeros(padded, dtype=torch.float32, device=x.device)
@@ -256,5 +261,5 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
         ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
         _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
     del hw
-    dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
+    dtw = dsw.index_select(0, pos).view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw

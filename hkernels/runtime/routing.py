@@ -39,11 +39,13 @@ def group_ends(group_sizes: Tensor, rows: int) -> Tensor:
 
 def bounds(ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(starts, ends, tails) [E] int32 from ends [E + 1] (:func:`group_ends`, :func:`routing`): each group's rows,
-    and the rows past the last group in the last entry (0 in the others): what the Helion kernels walk."""
-    starts = torch.cat([ends.new_zeros(1), ends[:-2]])
-    tails = torch.zeros_like(starts)
-    tails[-1:] = ends[-1:] - ends[-2:-1]
-    return starts, ends[:-1], tails
+    and the rows past the last group in the last entry (0 in the others): what the Helion kernels walk. (Narrowed,
+    not indexed: Python indexing takes a device guard, which a graph traced on a machine without the device
+    cannot.)"""
+    e = ends.shape[0] - 1
+    starts = torch.cat([ends.new_zeros(1), ends.narrow(0, 0, e - 1)])
+    tails = torch.cat([ends.new_zeros(e - 1), ends.narrow(0, e, 1) - ends.narrow(0, e - 1, 1)])
+    return starts, ends.narrow(0, 0, e), tails
 
 
 def tile_ends(ends: Tensor, block_m: int) -> Tensor:
