@@ -427,6 +427,57 @@ def test_every_kernel_launch_is_traced_into_the_graph():
         assert f"{name} symbolic" in ok and f"{name} every size symbolic" in ok, name
 
 
+def _torch_backend_called_back(op: str, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The hkernels ops left in the AOTAutograd graphs (forward and backward) of ``op`` on the torch backend,
+    compiled with every size dynamic and called at two lengths, each checked against the eager call."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    fn = getattr(hkernels, op)
+    compiled = torch.compile(lambda *a: fn(*a).float().sum(), backend=capture, dynamic=True)
+    g = torch.Generator().manual_seed(5)
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * scale).to(device, dtype).requires_grad_()
+
+    for n in (24, 40):
+        if op == "grouped_matmul":
+            args = [t(n, 16), t(3, 32, 16, scale=0.25), torch.tensor([n // 3, 0, n - n // 3], device=device)]
+        else:
+            args = [t(n, 16), t(3, 32, 16, scale=0.25), t(3, 16, 16, scale=0.25),
+                    torch.randint(0, 3, (n, 2), generator=g).to(device), t(n, 2)]
+        leaves = [a for a in args if a.requires_grad]
+        with hkernels.use_backend("torch"):
+            out = compiled(*args)
+            grads = torch.autograd.grad(out, leaves)
+            want = fn(*args).float().sum()
+            want_grads = torch.autograd.grad(want, leaves)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+        for a, b in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert graphs
+    return [str(n.target) for gm in graphs for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("hkernels.")]
+
+
+@pytest.mark.parametrize("op", ["grouped_matmul", "moe"])
+def test_the_torch_backend_traces_where_grouped_mm_takes_the_call(op, device):
+    """The torch backend of grouped_matmul and moe inside a compiled graph whose length varies: on bfloat16 operands
+    ``torch._grouped_mm`` takes (no host read), their math is in the graph, no hkernels op is called back; on
+    float32 its loop over the groups reads their sizes on the host, so the op stays opaque."""
+    assert _torch_backend_called_back(op, torch.bfloat16, device) == []
+    assert _torch_backend_called_back(op, torch.float32, device)
+
+
 def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, device):
     """Where tracing an op's body into the graph fails, the op is called back instead (one warning), and the
     result is still right: what the failed trace recorded is dead code."""

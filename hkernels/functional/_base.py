@@ -526,9 +526,22 @@ def call(opdef: Any, *args: Any) -> Any:
 
 # ------------------------------------------------------------------------------------- inside torch.compile
 
-# Ops whose torch backend reads values on the host (group sizes, sequence bounds): a graph cannot trace that, so
-# where a compiled call would run them on torch their custom ops stay opaque.
-_SYNCING_TORCH = frozenset({"grouped_matmul", "moe", "attention_varlen"})
+# Ops whose torch backend reads values on the host (group sizes, sequence bounds) on some calls (its fallback loop
+# where PyTorch's fused kernel does not take them): op -> whether a custom op's call (its name, its arguments) takes
+# the fused kernel, with no host read. A graph cannot trace a host read, so a call that would make one on torch
+# stays opaque there (:func:`torch_traces_when`).
+_TORCH_TRACES: dict[str, Callable[[str, tuple[Any, ...]], bool]] = {}
+
+
+def torch_traces_when(op: str, takes: Callable[[str, tuple[Any, ...]], bool]) -> None:
+    """Declare that ``op``'s torch backend traces into a graph only on the calls ``takes(custom_op_name, args)``
+    accepts (its others read values on the host)."""
+    _TORCH_TRACES[op] = takes
+
+
+def _torch_traces(op: str, name: str, args: tuple[Any, ...]) -> bool:
+    takes = _TORCH_TRACES.get(op)
+    return takes is None or bool(takes(name, args))
 # (op, backend) pairs kept opaque inside a graph: their traced kernels break the installed Inductor, which fails
 # the whole compile (attention_varlen's Helion kernels: a KeyError in the scheduler's compute_ancestors, torch 2.11).
 _OPAQUE_IN_GRAPHS = frozenset({("attention_varlen", "helion")})
@@ -574,7 +587,7 @@ def traced(opdef: Any) -> None:
                 chosen = dispatch.select_compiled(op, request, tensors, name) if tensors else ("torch", "")
             except dispatch.BackendUnavailableError:
                 chosen = ("", "")  # the body raises the error, with its reason, when it runs
-            if not ((chosen[0] == "torch" and op in _SYNCING_TORCH) or (op, chosen[0]) in _OPAQUE_IN_GRAPHS
+            if not ((chosen[0] == "torch" and not _torch_traces(op, name, args)) or (op, chosen[0]) in _OPAQUE_IN_GRAPHS
                     or (chosen[0] != "torch" and (_interpret.interpreting() or (
                         _symbolic(tensors) and not dispatch.takes_symbolic(op, chosen[0], name, tensors))))):
                 try:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hkernels import dispatch
-from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, check_range
+from hkernels.functional._base import Autocast, Public, Tensor, autograd, call, check_range, torch_traces_when
 from hkernels.functional.attention import HEAD_DIMS, check_qkv, softcap_value, window_bounds
 from hkernels.functional.attention import math_bwd as _dense_bwd
 from hkernels.functional.attention import math_fwd as _dense_fwd
@@ -285,6 +285,20 @@ def _refused(q: Tensor, error: Exception) -> None:
     warnings.warn(f"hkernels.attention_varlen: the torch backend's FlashAttention kernel failed on {q.device} "
                   f"({error}); calls there run one sequence at a time from now on",
                   dispatch.HKernelsFallbackWarning, stacklevel=3)
+
+
+def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
+    """The torch backend's call runs PyTorch's FlashAttention varlen kernel, reading nothing on the host (traceable
+    into a graph): the forward's (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, ...), the
+    backward's (do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, ...)."""
+    if name.endswith("_fwd"):
+        q, _k, _v, cu_q, cu_k, max_q, max_k, *_rest, softcap, _backend = args
+    else:
+        _do, q, _k, _v, _o, _lse, cu_q, cu_k, max_q, max_k, *_rest, softcap, _backend = args
+    return _flash(q, cu_q, cu_k, max_q, max_k, softcap)
+
+
+torch_traces_when(OP, _torch_takes)
 
 
 # Under autocast: as scaled_dot_product_attention, in autocast's dtype.

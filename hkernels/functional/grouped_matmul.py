@@ -23,6 +23,7 @@ from hkernels.functional._base import (
     check_same,
     check_tensor,
     compute_dtype,
+    torch_traces_when,
 )
 from hkernels.runtime.routing import group_ends, zero_rows_past
 
@@ -232,6 +233,15 @@ def zeroes_empty_groups(device: torch.device) -> bool:
     """``torch._grouped_mm`` writes zeros for an empty group of a weight gradient on this device (sm90 and the CPU's
     loop of matmuls do)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
+    """The torch backend's call runs ``torch._grouped_mm``, reading nothing on the host (traceable into a graph):
+    the forward's (x, weight, ...), the backward's (dy, x, weight, ...)."""
+    return grouped_mm_takes(*args[:2]) if name.endswith("_fwd") else grouped_mm_takes(*args[:3])
+
+
+torch_traces_when(OP, _torch_takes)
 
 
 # Under autocast: as each group's matmul, in autocast's dtype.

@@ -24,6 +24,7 @@ from hkernels.functional._base import (
     check_same,
     check_tensor,
     compute_dtype,
+    torch_traces_when,
     wants_grad,
 )
 from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes, weight_grads
@@ -306,6 +307,15 @@ def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj
             return None
     dtw = dsw[pos.long()].view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgu, dd, dtw
+
+
+def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
+    """The torch backend's call runs ``torch._grouped_mm`` on the sorted rows, reading nothing on the host
+    (traceable into a graph): the forward's (x, gate_up, down, ...), the backward's (dout, x, gate_up, down, ...)."""
+    return grouped_mm_takes(*args[:3]) if name.endswith("_fwd") else grouped_mm_takes(*args[:4])
+
+
+torch_traces_when(OP, _torch_takes)
 
 
 # Under autocast: as its experts' matmuls (and Hugging Face's eager experts), every input in autocast's dtype.
