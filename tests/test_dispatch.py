@@ -872,8 +872,10 @@ def test_auto_sends_a_symbolic_length_to_a_backend_that_traces_it():
         assert dispatch.takes_symbolic("rms_norm", backend, "rms_norm_fwd")
     for backend in ("triton", "helion"):
         assert dispatch.takes_symbolic("rope", backend, "rope_fwd")
-    assert dispatch.takes_symbolic("moe", "triton", "moe_fwd")
-    assert not dispatch.takes_symbolic("moe", "helion", "moe_fwd")  # (Helion's moe stays opaque there)
+    for backend in ("triton", "helion"):
+        assert dispatch.takes_symbolic("moe", backend, "moe_fwd")
+    # (Helion's packed attention stays opaque there)
+    assert not dispatch.takes_symbolic("attention_varlen", "helion", "attention_varlen_fwd")
     with FakeTensorMode(shape_env=env):
         long_rows = torch.empty(rows, 100000)
     for backend in ("triton", "helion"):

@@ -616,6 +616,11 @@ def _norm_grads(op: str, backend: str, shape: tuple[int, ...], in_place: bool, t
         elif tail == "hooked":  # a hook that keeps y's gradient
             y.register_hook(kept.append)
             ((y * 3).sum() + more).backward()
+        elif tail == "kept detached":  # a hook that keeps another tensor on the gradient's memory
+            y.register_hook(lambda grad: kept.append(grad.detach()))
+            ((y * 3).sum() + more).backward()
+        elif tail == "linear":  # a matmul's gradient, viewed back to y's shape (a norm feeding a linear layer)
+            ((y @ torch.full((shape[-1], 2), 1.5, device=device)).sum() + more).backward()
     # (add_rms_norm's one gradient goes to x and residual: one of them takes the buffer, the other a copy)
     return tuple(t.grad for t in inputs), seen[0] in (x.grad.data_ptr(), res.grad.data_ptr() if h is not None
                                                       else None), kept
@@ -628,14 +633,20 @@ def test_norm_in_place_writes_the_input_gradient_over_the_output_gradient(op, ba
     """in_place=True: the backward writes x's gradient into the buffer of y's gradient where nothing else holds
     it, the same values as out of place; where something does (a gradient shared with a residual, passed by the
     caller, kept by a hook) it writes a new buffer and leaves that one as it was."""
-    for tail in ("scaled", "residual", "given", "hooked"):
+    for tail in ("scaled", "residual", "given", "hooked", "kept detached", "linear"):
         want, _, _ = _norm_grads(op, backend, shape, False, tail, device)
         got, reused, kept = _norm_grads(op, backend, shape, True, tail, device)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), tail
-        assert reused == (tail in ("scaled", "residual")), f"{tail}: y's gradient buffer reused: {reused}"
+        assert reused == (tail in ("scaled", "residual", "linear")), f"{tail}: y's gradient buffer reused: {reused}"
         for t in kept:
             assert torch.equal(t, torch.full(shape, 3.0, device=device)), f"{tail}: a held gradient was written"
+    with hkernels.use_backend(backend):  # its outputs are tensors of their own, not views: writable in place
+        x = torch.randn(shape, device=device, requires_grad=True)
+        outs = hkernels.rms_norm(x, None, in_place=True) if op == "rms_norm" else hkernels.add_rms_norm(
+            x, torch.randn(shape, device=device), None, in_place=True)
+        for out in (outs,) if op == "rms_norm" else outs:
+            out.mul_(2)
 
 
 def test_norm_in_place_is_a_bool_and_left_to_the_compiler_in_graphs(device):

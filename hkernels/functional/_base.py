@@ -344,9 +344,12 @@ def request(op: str) -> str:
 _EAGER: dict[Any, Any] = {}  # custom op -> (equivalent autograd.Function, its apply without the Python wrapper)
 
 
-def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None]) -> None:
+def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None], in_place: bool = False) -> None:
     """Register ``opdef``'s autograd formula, and keep an equivalent ``autograd.Function`` for plain eager calls
-    (see :func:`call`): forward(ctx, ...) style, which torch does not bind with ``inspect.signature`` per call."""
+    (see :func:`call`): forward(ctx, ...) style, which torch does not bind with ``inspect.signature`` per call.
+    ``in_place``: the op's backward may write its input's gradient over the gradient it receives where ``setup``
+    set ``ctx.in_place`` (see :func:`reusable`): the eager backward tells whether nothing else holds that gradient
+    as it receives it."""
     def backward_without_autocast(ctx: Any, *grads: Any) -> Any:
         if torch._C._is_any_autocast_enabled():  # a backward inside an autocast region: the forward's dtypes
             with no_autocast():
@@ -373,12 +376,18 @@ def autograd(opdef: Any, backward: Callable[..., Any], setup: Callable[..., None
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
+            return _planned_backward(ctx.hk_plans, backward, ctx, grads)
+
+    if in_place:
+        def backward_in_place(ctx: Any, *grads: Any) -> Any:
             plans = ctx.hk_plans
-            if getattr(ctx, "in_place", False):  # (an op that may write its input's gradient over grads[0])
-                ctx.hk_sole = sole = _sole(grads[0])
+            if ctx.in_place:
+                ctx.hk_sole = sole = _measure(grads[0]) in _SOLE  # (first: each frame holds a reference)
                 if plans is not None:  # the choice is part of the backward's plan
                     plans = plans.setdefault(("sole", sole), {})
             return _planned_backward(plans, backward, ctx, grads)
+
+        _Eager.backward = staticmethod(backward_in_place)  # type: ignore[method-assign]
 
     _Eager.__name__ = _Eager.__qualname__ = f"{impl.__name__}_eager"
     # Function.apply's Python wrapper binds default arguments and unwraps functorch's dead wrappers: neither can be
@@ -542,6 +551,8 @@ def torch_traces_when(op: str, takes: Callable[[str, tuple[Any, ...]], bool]) ->
 def _torch_traces(op: str, name: str, args: tuple[Any, ...]) -> bool:
     takes = _TORCH_TRACES.get(op)
     return takes is None or bool(takes(name, args))
+
+
 # (op, backend) pairs kept opaque inside a graph: their traced kernels break the installed Inductor, which fails
 # the whole compile (attention_varlen's Helion kernels: a KeyError in the scheduler's compute_ancestors, torch 2.11).
 _OPAQUE_IN_GRAPHS = frozenset({("attention_varlen", "helion")})
@@ -660,50 +671,58 @@ def placeholder(x: Tensor) -> Tensor:
 
 def reusable(grad: Tensor, like: Tensor, ctx: Any) -> bool:
     """``grad``, a gradient the backward of ``ctx`` received, can take ``like``'s gradient in place: a plain eager
-    backward (no create_graph) that received it as the autograd engine's only reference (see :func:`_sole`), a plain
-    contiguous tensor, not a view, with ``like``'s dtype and shape."""
-    return (getattr(ctx, "hk_sole", False) and not torch.is_grad_enabled() and grad.__class__ is Tensor
-            and grad.dtype == like.dtype and grad.shape == like.shape and grad.is_contiguous() and not grad._is_view())
+    backward (no create_graph) that received it as the autograd engine's only reference (see :func:`_measure`), a
+    contiguous tensor with ``like``'s dtype and shape."""
+    return (getattr(ctx, "hk_sole", False) and not torch.is_grad_enabled() and grad.dtype == like.dtype
+            and grad.shape == like.shape and grad.is_contiguous())
 
 
-def _sole(grad: Tensor | None) -> bool:
-    """Whether nothing but the autograd engine holds ``grad``, as an ``autograd.Function``'s backward first sees it:
-    no other tensor shares its memory-owning object (a gradient the caller passed, one shared with another input of
-    the node before it) and no Python object but the call's own holds it (a hook that kept it). The counts of such
-    a gradient are measured once on this interpreter and torch (:func:`sole_counts`)."""
-    return grad is not None and grad.__class__ is Tensor and _counts(grad) == sole_counts()
+def _measure(grad: Tensor | None) -> tuple[int, ...] | None:
+    """What holds ``grad`` as an ``autograd.Function``'s backward first sees it: its Python references, its
+    tensor's references and its memory's (every tensor sharing it: a ``detach()`` or ``.data`` a hook kept, a
+    gradient shared with another input of the node before), and for a view (the usual gradient of a norm feeding a
+    linear layer: a matmul's result viewed back to [..., N]) the same of its base, which must be one block of the
+    same elements. Compared with :data:`_SOLE`, the same measured on gradients nothing else holds: equal, nothing
+    else does. None for anything else (never written over)."""
+    if grad is None or grad.__class__ is not Tensor:
+        return None
+    memory = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
+    if not grad._is_view():
+        return sys.getrefcount(grad), grad._use_count(), memory
+    base = grad._base
+    if (base.__class__ is not Tensor or base._is_view() or not base.is_contiguous() or base.numel() != grad.numel()
+            or base.data_ptr() != grad.data_ptr()):
+        return None
+    return sys.getrefcount(grad), grad._use_count(), sys.getrefcount(base), base._use_count(), memory
 
 
-def _counts(grad: Tensor) -> tuple[int, int]:
-    return sys.getrefcount(grad), grad._use_count()
+def _calibrate() -> tuple[tuple[int, ...], ...]:
+    """:func:`_measure` of two gradients nothing else holds (a fresh one, and a matmul's viewed back to three dims),
+    as an ``autograd.Function``'s backward receives them, on this interpreter and torch: measured once, at import,
+    on a CPU."""
+    seen: list[tuple[int, ...] | None] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            seen.append(_measure(grads[0]))  # (as the ops' eager backward measures its gradient)
+            return grads[0]
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
+            x = torch.zeros(2, 3, 4, requires_grad=True)
+            (Probe.apply(x) * 2).sum().backward()
+            (Probe.apply(x) @ torch.ones(4, 2)).sum().backward()
+    except Exception:  # (no measure: nothing is ever written over)
+        return ()
+    return tuple(m for m in seen if m is not None)
 
 
-def _probe(grad: Tensor) -> tuple[int, int]:
-    return _counts(grad)  # (one frame deep, as in _sole: each frame holds a reference)
-
-
-_SOLE: list[tuple[int, int]] = []
-
-
-def sole_counts() -> tuple[int, int]:
-    """The counts :func:`_sole` compares with, measured on the first call."""
-    if not _SOLE:
-        seen: list[tuple[int, int]] = []
-
-        class Probe(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, x: Tensor) -> Tensor:
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx: Any, *grads: Any) -> Any:  # (as _Eager.backward sees its gradients)
-                seen.append(_probe(grads[0]))
-                return grads[0]
-
-        with torch.enable_grad():
-            (Probe.apply(torch.zeros(2, requires_grad=True)) * 2).sum().backward()
-        _SOLE.append(seen[0])
-    return _SOLE[0]
+_SOLE = _calibrate()
 
 
 def zeros_if_none(grad: Tensor | None, like: Tensor) -> Tensor:

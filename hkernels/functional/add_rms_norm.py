@@ -33,7 +33,6 @@ from hkernels.functional._base import (
     reusable,
     rows,
     rows_view,
-    sole_counts,
     stats,
     wants_grad,
     zeros_if_none,
@@ -54,11 +53,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None, eps:
     Differentiable in x, residual and weight, through both outputs. ``in_place``: as :func:`hkernels.rms_norm`'s,
     the sum's gradient written over y's where nothing else holds that buffer.
     """
-    if in_place is not False:
-        if in_place is not True:
-            raise TypeError(f"hkernels.add_rms_norm: in_place must be a bool, got {type(in_place).__name__}")
-        if not torch.compiler.is_compiling():
-            sole_counts()  # (measured once, here rather than inside a backward)
+    if in_place is not False and in_place is not True:
+        raise TypeError(f"hkernels.add_rms_norm: in_place must be a bool, got {type(in_place).__name__}")
     if offset:
         weight = offset_weight(OP, weight, offset)
     return (_IN_PLACE if in_place else _CALLS)(x, residual, weight, eps)
@@ -97,7 +93,10 @@ def _fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, in_plac
         return x.new_empty(x.shape), x.new_empty(x.shape), stats(as_rows(x))
     y, s, rstd = dispatch.run(OP, "add_rms_norm_fwd", backend, rows(as_rows(x)), rows(as_rows(residual)), weight,
                               eps)
-    return (y, s, rstd) if y.shape == x.shape else (y.view(x.shape), s.view(x.shape), rstd)
+    if y.shape == x.shape:
+        return y, s, rstd
+    # (new tensors, not views: autograd forbids writing in place into a view made inside a Function)
+    return torch.ops.aten._unsafe_view(y, x.shape), torch.ops.aten._unsafe_view(s, x.shape), rstd
 
 
 @_fwd.register_fake
@@ -114,7 +113,8 @@ def _bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: 
         return s.new_zeros(s.shape), dw
     ds = rows(as_rows(ds)) if ds is not None else None
     dx, dw = dispatch.run(OP, "add_rms_norm_bwd", backend, rows(as_rows(dy)), ds, as_rows(s), weight, rstd)
-    return (dx if dx.shape == s.shape else dx.view(s.shape)), dw if dw is not None else placeholder(s)
+    return (dx if dx.shape == s.shape else torch.ops.aten._unsafe_view(dx, s.shape)), (dw if dw is not None
+                                                                                      else placeholder(s))
 
 
 @_bwd.register_fake
@@ -156,7 +156,7 @@ def _backward(ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | N
     return dsum, dsum, (dw if weight is not None else None), None, None, None
 
 
-autograd(_fwd, _backward, _setup)
+autograd(_fwd, _backward, _setup, in_place=True)
 
 
 def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, ds: Tensor | None, _drstd: Tensor | None) -> Any:

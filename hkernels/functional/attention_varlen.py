@@ -290,12 +290,13 @@ def _refused(q: Tensor, error: Exception) -> None:
 def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
     """The torch backend's call runs PyTorch's FlashAttention varlen kernel, reading nothing on the host (traceable
     into a graph): the forward's (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, ...), the
-    backward's (do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, ...)."""
+    backward's (do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, ...); only on a
+    GPU its kernel runs on (sm80 and later: inside a graph there is no falling back to the loop)."""
     if name.endswith("_fwd"):
         q, _k, _v, cu_q, cu_k, max_q, max_k, *_rest, softcap, _backend = args
     else:
         _do, q, _k, _v, _o, _lse, cu_q, cu_k, max_q, max_k, *_rest, softcap, _backend = args
-    return _flash(q, cu_q, cu_k, max_q, max_k, softcap)
+    return _flash(q, cu_q, cu_k, max_q, max_k, softcap) and torch.cuda.get_device_capability(q.device)[0] >= 8
 
 
 torch_traces_when(OP, _torch_takes)

@@ -237,8 +237,15 @@ def zeroes_empty_groups(device: torch.device) -> bool:
 
 def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
     """The torch backend's call runs ``torch._grouped_mm``, reading nothing on the host (traceable into a graph):
-    the forward's (x, weight, ...), the backward's (dy, x, weight, ...)."""
-    return grouped_mm_takes(*args[:2]) if name.endswith("_fwd") else grouped_mm_takes(*args[:3])
+    the forward's (x, weight, ...), the backward's (dy, x, weight, ...); on a GPU, only where its kernel is known
+    to run (sm90: inside a graph there is no falling back to the loop)."""
+    return grouped_mm_traces(*args[:2]) if name.endswith("_fwd") else grouped_mm_traces(*args[:3])
+
+
+def grouped_mm_traces(*tensors: Tensor) -> bool:
+    """:func:`grouped_mm_takes`, on a device where ``torch._grouped_mm``'s kernel is known to run."""
+    device = tensors[0].device
+    return grouped_mm_takes(*tensors) and (device.type != "cuda" or torch.cuda.get_device_capability(device) == (9, 0))
 
 
 torch_traces_when(OP, _torch_takes)

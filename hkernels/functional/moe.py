@@ -27,7 +27,7 @@ from hkernels.functional._base import (
     torch_traces_when,
     wants_grad,
 )
-from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes, weight_grads
+from hkernels.functional.grouped_matmul import grouped_mm, grouped_mm_takes, grouped_mm_traces, weight_grads
 from hkernels.runtime.routing import routing
 
 OP = "moe"
@@ -312,7 +312,7 @@ def _moe_bwd_grouped_mm(dout: Tensor, x: Tensor, gate_up_proj: Tensor, down_proj
 def _torch_takes(name: str, args: tuple[Any, ...]) -> bool:
     """The torch backend's call runs ``torch._grouped_mm`` on the sorted rows, reading nothing on the host
     (traceable into a graph): the forward's (x, gate_up, down, ...), the backward's (dout, x, gate_up, down, ...)."""
-    return grouped_mm_takes(*args[:3]) if name.endswith("_fwd") else grouped_mm_takes(*args[:4])
+    return grouped_mm_traces(*args[:3]) if name.endswith("_fwd") else grouped_mm_traces(*args[:4])
 
 
 torch_traces_when(OP, _torch_takes)

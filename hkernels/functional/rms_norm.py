@@ -30,7 +30,6 @@ from hkernels.functional._base import (
     reusable,
     rows,
     rows_view,
-    sole_counts,
     stats,
     wants_grad,
 )
@@ -53,15 +52,13 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, offset:
     kernel, rounding once where the module rounds twice.
 
     ``in_place``: the backward writes x's gradient into the buffer of y's gradient, saving an [..., N] buffer,
-    where nothing else holds that buffer (no other reference to it, not a slice of a larger gradient, x's dtype
-    and layout); otherwise, and inside torch.compile (whose own planner reuses buffers), into a new one. A
-    gradient passed by the caller (``torch.autograd.grad(y, x, dy)``) is never overwritten.
+    where nothing else holds that buffer when the backward runs (the autograd engine's only reference, whole: not a
+    slice of a larger gradient; x's dtype and layout); otherwise, and inside torch.compile (whose own planner reuses
+    buffers), into a new one. A gradient passed by the caller (``torch.autograd.grad(y, x, dy)``), one a hook kept
+    and one another branch has still to read are never overwritten.
     """
-    if in_place is not False:
-        if in_place is not True:
-            raise TypeError(f"hkernels.rms_norm: in_place must be a bool, got {type(in_place).__name__}")
-        if not torch.compiler.is_compiling():
-            sole_counts()  # (measured once, here rather than inside a backward)
+    if in_place is not False and in_place is not True:
+        raise TypeError(f"hkernels.rms_norm: in_place must be a bool, got {type(in_place).__name__}")
     if casting != "float32":
         if casting != "llama":
             raise ValueError(f"hkernels.rms_norm: casting must be 'float32' or 'llama', got {casting!r}")
@@ -94,14 +91,15 @@ def _body_in_place(request: str, x: Tensor, weight: Tensor | None, eps: float) -
 # ------------------------------------------------------------------------------------------------------ autograd
 
 
-# in_place: the backward's choice (see rms_norm); the forward is the same either way.
+# in_place: the backward's choice (see rms_norm); the forward is the same either way. An [..., N] x's results are
+# reshaped as new tensors, not views (autograd forbids writing in place into a view made inside a Function).
 @torch.library.custom_op("hkernels::rms_norm_fwd", mutates_args=())
 def _fwd(x: Tensor, weight: Tensor | None, eps: float, in_place: bool, backend: str) -> tuple[Tensor, Tensor]:
     # x: [M, N], or (in_place) [..., N]; y as x, rstd [M]
     if x.numel() == 0:
         return x.new_empty(x.shape), stats(as_rows(x))
     y, rstd = dispatch.run(OP, "rms_norm_fwd", backend, rows(as_rows(x)), weight, eps)
-    return (y if y.shape == x.shape else y.view(x.shape)), rstd
+    return (y if y.shape == x.shape else torch.ops.aten._unsafe_view(y, x.shape)), rstd  # (not a view: see below)
 
 
 @_fwd.register_fake
@@ -115,7 +113,8 @@ def _bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, backend: st
         dw = torch.zeros_like(weight) if weight is not None else placeholder(x)
         return x.new_zeros(x.shape), dw
     dx, dw = dispatch.run(OP, "rms_norm_bwd", backend, rows(as_rows(dy)), rows(as_rows(x)), weight, rstd)
-    return (dx if dx.shape == x.shape else dx.view(x.shape)), dw if dw is not None else placeholder(x)
+    return (dx if dx.shape == x.shape else torch.ops.aten._unsafe_view(dx, x.shape)), (dw if dw is not None
+                                                                                      else placeholder(x))
 
 
 @_bwd.register_fake
@@ -157,7 +156,7 @@ def _backward(ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> tuple[Tenso
     return dx, (dw if weight is not None else None), None, None, None
 
 
-autograd(_fwd, _backward, _setup)
+autograd(_fwd, _backward, _setup, in_place=True)
 
 
 def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _drstd: Tensor | None) -> Any:

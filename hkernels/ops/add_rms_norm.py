@@ -92,7 +92,9 @@ def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, st
         two = _bind_fwd(x.expand(2, N), residual.expand(2, N), weight, eps, stats)
 
         def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, ...]:
-            return tuple(t[:1] for t in two(x.expand(2, N), residual.expand(2, N), weight, eps))
+            # (row 0 as a tensor of its own, not a view: a caller may write into the results in place)
+            return tuple(torch.ops.aten._unsafe_view(t[:1], (1, *t.shape[1:]))
+                         for t in two(x.expand(2, N), residual.expand(2, N), weight, eps))
         return run_one_row
     s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
     rstd = row_stats(x) if stats else None

@@ -237,7 +237,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     starts, group_ends, tails = bounds(ends)
     # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
     tw = topk_weights.reshape(-1)
-    one = type(rows) is int and rows == 1  # (a symbolic count is at least 2)
+    one = type(rows) is int and rows == 1  # (a symbolic count is at least 2: torch.compile specialises 0 and 1)
     if one:
         src, order, tw, pre = (torch.cat([t, t]) for t in (src, order, tw, pre))
     padded = 2 if one else rows

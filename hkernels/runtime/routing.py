@@ -40,8 +40,8 @@ def group_ends(group_sizes: Tensor, rows: int) -> Tensor:
 def bounds(ends: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(starts, ends, tails) [E] int32 from ends [E + 1] (:func:`group_ends`, :func:`routing`): each group's rows,
     and the rows past the last group in the last entry (0 in the others): what the Helion kernels walk. (Narrowed,
-    not indexed: Python indexing takes a device guard, which a graph traced on a machine without the device
-    cannot.)"""
+    not indexed: Python indexing takes a device guard, which fails on fake tensors of a device this build of torch
+    lacks.)"""
     e = ends.shape[0] - 1
     starts = torch.cat([ends.new_zeros(1), ends.narrow(0, 0, e - 1)])
     tails = torch.cat([ends.new_zeros(e - 1), ends.narrow(0, e, 1) - ends.narrow(0, e - 1, 1)])
