@@ -433,16 +433,18 @@ class Lane:
     its trailing backend request (``n`` of them), and returns its outputs. With ``shape``, the first ``k``
     arguments are [..., N] tensors of that shape, viewed as ``rows`` [M, N] inside the autograd node (as are the
     first ``outs`` outputs and their gradients, back): no view nodes in the graph around it. ``fast``: the op's
-    builder of a one-step backward from a recorded backward plan (see :func:`_planned_backward`)."""
+    builder of a one-step backward from a recorded backward plan (see :func:`_planned_backward`). ``tail``: the
+    custom op's arguments after those ``n`` (and before the request) that ``setup`` reads, fixed for the lane."""
 
     __slots__ = ("apply", "backward", "fast", "fwd", "k", "n", "outs", "plans", "request", "rows", "setup",
-                 "shape")
+                 "shape", "tail")
 
     def __init__(self, fwd: Callable[..., Any], setup: Callable[..., None], backward: Callable[..., Any],
                  request: str, n: int, shape: torch.Size | None = None, rows: tuple[int, int] | None = None,
-                 k: int = 0, outs: int = 0, fast: Callable[..., Any] | None = None) -> None:
+                 k: int = 0, outs: int = 0, fast: Callable[..., Any] | None = None, tail: tuple[Any, ...] = ()
+                 ) -> None:
         self.fwd, self.setup, self.backward, self.request, self.n = fwd, setup, backward, request, n
-        self.shape, self.rows, self.k, self.outs, self.fast = shape, rows, k, outs, fast
+        self.shape, self.rows, self.k, self.outs, self.fast, self.tail = shape, rows, k, outs, fast, tail
         self.plans: dict[Any, _plan.Plan] = {}
         lane = self
         self.apply = lambda *args: _lane_apply(lane, *args)
@@ -456,7 +458,7 @@ class _LaneFunction(torch.autograd.Function):
             rows = lane.rows
             args = (*[a.view(rows) for a in args[:lane.k]], *args[lane.k:])
         out = lane.fwd(*args)
-        lane.setup(ctx, (*args, lane.request), out)
+        lane.setup(ctx, (*args, *lane.tail, lane.request), out)
         ctx.hk_lane = lane
         if shape is None:
             return out

@@ -168,7 +168,7 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, ds: Tensor | None, _d
     def backward(ctx: Any, dy: Tensor, ds: Tensor | None, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
         s, weight, rstd = ctx.saved_tensors
         dsum, dw = run(dy, ds, s, weight, rstd)
-        return dsum, dsum, dw, None, None
+        return dsum, dsum, dw, None
     return backward
 
 
@@ -232,9 +232,9 @@ def _fast(plan: Any, request: str, x: Tensor, residual: Tensor, weight: Tensor |
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, residual, weight):
-        apply = Lane(lambda x, residual, weight, eps, _in_place: recorded(x, residual, weight, eps), _setup,
-                     _backward, request, 5, None if flat else shape, rows_of, 2, 2, _backward_fast).apply
-        return lambda x, residual, weight, eps: apply(x, residual, weight, eps, False)[:2]
+        apply = Lane(recorded, _setup, _backward, request, 4, None if flat else shape, rows_of, 2, 2,
+                     _backward_fast, (False,)).apply  # (in_place: False)
+        return lambda x, residual, weight, eps: apply(x, residual, weight, eps)[:2]
     x2, r2 = (x, residual) if flat else (x.view(rows_of), residual.view(rows_of))
     run = dispatch.rebind(recorded, "add_rms_norm_fwd", x2, r2, weight, eps, stats=False)
     if run is None or flat:

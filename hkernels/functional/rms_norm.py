@@ -168,7 +168,7 @@ def _backward_fast(plan: Any, ctx: Any, dy: Tensor | None, _drstd: Tensor | None
     def backward(ctx: Any, dy: Tensor, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         dx, dw = run(dy, x, weight, rstd)
-        return dx, dw, None, None
+        return dx, dw, None
     return backward
 
 
@@ -230,9 +230,9 @@ def _fast(plan: Any, request: str, x: Tensor, weight: Tensor | None, eps: float)
         return None
     shape, flat = x.shape, x.dim() == 2
     if wants_grad(x, weight):
-        lane = Lane(lambda x, weight, eps, _in_place: recorded(x, weight, eps), _setup, _backward, request, 4,
-                    None if flat else shape, rows_of, 1, 1, _backward_fast).apply
-        return lambda x, weight, eps: lane(x, weight, eps, False)[0]
+        apply = Lane(recorded, _setup, _backward, request, 3, None if flat else shape, rows_of, 1, 1,
+                     _backward_fast, (False,)).apply  # (in_place: False)
+        return lambda x, weight, eps: apply(x, weight, eps)[0]
     run = dispatch.rebind(recorded, "rms_norm_fwd", x if flat else x.view(rows_of), weight, eps, stats=False)
     if run is None or flat:
         return run
