@@ -649,6 +649,22 @@ def test_norm_in_place_writes_the_input_gradient_over_the_output_gradient(op, ba
             out.mul_(2)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_one_row_results_can_be_written_in_place(backend, device):
+    """A call of one row (decoding) returns tensors of its own, not views of a padded buffer: a caller may write
+    into them in place, as into PyTorch's results."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 32, generator=g).to(device).requires_grad_()
+    q = torch.randn(1, 2, 16, generator=g).to(device).requires_grad_()
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    with hkernels.use_backend(backend):
+        outs = [*hkernels.add_rms_norm(x, torch.randn(1, 32, generator=g).to(device)),
+                hkernels.rms_norm(x), hkernels.cross_entropy(x, torch.tensor([3], device=device), reduction="none"),
+                hkernels.attention_varlen(q, q, q, cu, max_seqlen_q=1, max_seqlen_k=1)]
+    for out in outs:
+        out.mul_(2)
+
+
 def test_norm_in_place_is_a_bool_and_left_to_the_compiler_in_graphs(device):
     x = torch.randn(4, 16, device=device, requires_grad=True)
     with pytest.raises(TypeError, match=r"hkernels\.rms_norm: in_place must be a bool, got int"):

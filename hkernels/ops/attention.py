@@ -814,8 +814,8 @@ def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
                 cu_q, cu_k, rows_q, rows_k, cu_q.shape[0] - 1, Tq, Tk, qk_scale, lo, hi, cap_scale, cap, True,
                 softcap > 0)
         _helion.run(_attention_masked_fwd, args, D, q.device)
-    if Tq == 1:
-        o, lse = o[:1], lse[:, :1].contiguous()
+    if Tq == 1:  # (row 0 as a tensor of its own, not a view: a caller may write into the result in place)
+        o, lse = torch.ops.aten._unsafe_view(o[:1], (1, *o.shape[1:])), lse[:, :1].contiguous()
     return o, lse
 
 

@@ -209,7 +209,7 @@ def cross_entropy_fwd(
         for mine, padded in ((grad, grad2), (z, z2), *zip(stats or (), stats2 or (), strict=True)):
             if mine is not None:
                 mine.copy_(padded[:1])
-        return loss[:1]
+        return torch.ops.aten._unsafe_view(loss[:1], (1,))  # (a tensor of its own, not a view of the padding)
     zloss = z_scale != 0.0
     if zloss and z is None:
         z = torch.empty(T, dtype=torch.float32, device=logits.device)
