@@ -744,10 +744,7 @@ def _same_as_eager_at(compiled: Any, op: str, lengths: tuple[int, ...], seed: in
 # On a CPU the kernel backends' custom ops stay opaque in a graph (interpreted kernels are not traced): Triton's
 # stands for both there; on a GPU each kernel backend is traced.
 _FIVE_LENGTHS = [
-    pytest.param(op, backend, id=f"{op}-{backend}", marks=[pytest.mark.xfail(
-        ON_GPU, strict=True, reason="Helion's rope with gradients in a graph whose length turns symbolic gives a "
-        "wrong forward on an H100 (45 or 223 for 2716: seen 2026-12-06), where the same call without gradients is "
-        "right")] if (op, backend) == ("rope", "helion") else [])
+    pytest.param(op, backend, id=f"{op}-{backend}")
     for op in ["rms_norm", "layer_norm", "softmax", *LLM_OPS]
     for backend in (["helion", "triton", "torch"] if ON_GPU else ["triton", "torch"])
 ]
