@@ -23,6 +23,7 @@ from hkernels.tune.cases import (
     FLCE_VOCAB,
     HEAD_DIM,
     KV_HEADS,
+    MROPE_SECTION,
     SMALL_HEAD_DIM,
     SOFTCAP,
     WINDOW,
@@ -68,6 +69,7 @@ def _liger() -> dict[str, Callable[..., object]]:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.softmax import LigerSoftmaxFunction
@@ -81,6 +83,8 @@ def _liger() -> dict[str, Callable[..., object]]:
         "swiglu": lambda g, u: LigerSiLUMulFunction.apply(g, u),
         "geglu": lambda g, u: LigerGELUMulFunction.apply(g, u),  # tanh form, as hkernels.geglu's default
         "rope": lambda q, k, c, s: LigerRopeFunction.apply(q, k, c, s),
+        "rms_norm_gemma": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 1.0, "gemma"),
+        "rope_mrope": lambda q, k, c, s: LigerQwen2VLMRopeFunction.apply(q, k, c, s, list(MROPE_SECTION)),
         "add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6),
         # Liger's cross-entropy writes the gradient over the logits (the caller's tensor): allowed for a peer.
         "cross_entropy": lambda x, t: LigerCrossEntropyFunction.apply(x, t, None, -100)[0],
@@ -139,6 +143,25 @@ def _eager_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
         return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
     return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _eager_gemma_norm(x: Tensor, w: Tensor) -> Tensor:
+    """Gemma's RMSNorm as transformers writes it: float32 throughout, the scale 1 + w."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(x.dtype)
+
+
+def _eager_mrope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' ``apply_multimodal_rotary_pos_emb``: each chunk of the head dim from its stream's table."""
+    split = list(MROPE_SECTION) * 2
+    cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(split, dim=-1))], dim=-1)
+    sin = torch.cat([t[i % 3] for i, t in enumerate(sin.split(split, dim=-1))], dim=-1)
+    return _eager_rope(q, k, cos, sin)
+
+
+def _mrope_bytes(mode: str, m: int, n: int, itemsize: int, k: int = 0) -> int:
+    # rope's bytes, and the three streams' tables read to select one (3 · 2 tables per pass)
+    return _rope_bytes(mode, m, n, itemsize, k) + {"fwd": 4, "bwd": 4, "fwd_bwd": 8}[mode] * m * HEAD_DIM * itemsize
 
 
 def _eager_qk_norm_rope(q: Tensor, k: Tensor, qw: Tensor, kw: Tensor, cos: Tensor, sin: Tensor
@@ -566,6 +589,18 @@ OPS: dict[str, OpBench] = {
         ref=lambda g, u: references.geglu(g, u, "tanh"),
         dim="inter", passes=(3, 5),
     ),
+    "rms_norm_gemma": _bench(
+        "rms_norm_gemma",
+        eager=_eager_gemma_norm,
+        ref=lambda x, w: references.rms_norm(x, w, 1e-6, offset=1.0),
+        dim="hidden", passes=(2, 3), params=1,
+    ),
+    "rope_mrope": _bench(
+        "rope_mrope",
+        eager=_eager_mrope,
+        ref=lambda q, k, c, s: references.rope(q, k, c, s, mrope_section=list(MROPE_SECTION)),
+        dim="hidden", bytes_fn=_mrope_bytes,
+    ),
     "rope": _bench(
         "rope",
         eager=_eager_rope,
@@ -705,7 +740,7 @@ def quick_shapes(op: OpBench, device: torch.device) -> list[Shape]:
     if op.name == "block":
         return [(8, 32, 48)] if cpu else [(1024, 2048, 5632)]
     shapes = QUICK_SHAPES[device.type]
-    if op.name in ("rope", "qk_norm_rope") or op.name.startswith("fused_linear_cross_entropy"):
+    if op.name in ("rope", "rope_mrope", "qk_norm_rope") or op.name.startswith("fused_linear_cross_entropy"):
         return [(m, max(HEAD_DIM, n // HEAD_DIM * HEAD_DIM), 0) for m, n in shapes][: 1 if cpu else 2]
     return [(m, n, 0) for m, n in shapes]
 

@@ -68,6 +68,20 @@ def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: t
     return [q, k, angles.cos().to(dtype), angles.sin().to(dtype)]
 
 
+MROPE_SECTION = (16, 24, 24)  # Qwen2-VL's and Qwen2.5-VL's split of the 64 rotary pairs of a 128-wide head
+
+
+def _mrope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
+    # rope's q and k, and the tables of three position streams [3, 1, S, D] (temporal, height, width) as Qwen2.5-VL
+    # makes them for an image of 32-wide rows: the time index, the row and the column of each token
+    q, kk, _, _ = _rope(m, n, k, dtype, device, g)
+    s = torch.arange(m, device=device)
+    inv = 1.0 / 1000000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.stack([torch.outer(pos.float(), inv) for pos in (s // 1024, s // 32, s % 32)])
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [3, 1, S, D]
+    return [q, kk, angles.cos().to(dtype), angles.sin().to(dtype)]
+
+
 def _qk_norm_rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator
                   ) -> list[Tensor]:
     # rope's inputs and the two per-head norm weights (near 1, as trained ones are)
@@ -191,7 +205,7 @@ OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attenti
          "attention_d64_softcap": "attention", "attention_varlen_mixed": "attention_varlen",
          "attention_d64_varlen": "attention_varlen", "attention_d64_varlen_mixed": "attention_varlen",
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe",
-         "cross_entropy_softcap_z": "cross_entropy",
+         "rms_norm_gemma": "rms_norm", "rope_mrope": "rope", "cross_entropy_softcap_z": "cross_entropy",
          "fused_linear_cross_entropy_softcap_z": "fused_linear_cross_entropy"}
 # The loss options of the *_softcap_z cases: Gemma 2's final logit softcap and a z-loss.
 LOSS_OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
@@ -210,7 +224,11 @@ OPS: dict[str, OpInputs] = {
         OpInputs("add_rms_norm", _add_norm, (0, 1, 2), lambda x, r, w: hkernels.add_rms_norm(x, r, w, 1e-6)),
         OpInputs("swiglu", _gated, (0, 1), hkernels.swiglu),
         OpInputs("geglu", _gated, (0, 1), lambda g, u: hkernels.geglu(g, u, "tanh")),
+        # Gemma's norm: x̂ · (1 + w), the scale taken in float32 (weights near 0, as Gemma's are)
+        OpInputs("rms_norm_gemma", _rows(1), (0, 1), lambda x, w: hkernels.rms_norm(x, w, 1e-6, offset=1.0)),
         OpInputs("rope", _rope, (0, 1), hkernels.rope),
+        OpInputs("rope_mrope", _mrope, (0, 1), lambda q, k, c, s: hkernels.rope(q, k, c, s,
+                                                                                 mrope_section=list(MROPE_SECTION))),
         OpInputs("qk_norm_rope", _qk_norm_rope, (0, 1, 2, 3), hkernels.qk_norm_rope),
         OpInputs("cross_entropy", _logits, (0,), lambda x, t: hkernels.cross_entropy(x, t)),
         OpInputs("fused_linear_cross_entropy", _linear_ce, (0, 1),
