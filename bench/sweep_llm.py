@@ -53,11 +53,12 @@ def _helion_override(kernel: str) -> Callable[[Candidate], Callable[[], None]]:
 def _triton_ce(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
-    saved = ce._settings
+    saved, saved_keep = ce._settings, ce.KEEP_IN_L2
     ce._settings = lambda *_: (cand["block"], cand["warps"], cand["stages"], cand["per_sm"])
+    ce.KEEP_IN_L2 = cand.get("keep_in_l2", saved_keep)
 
     def undo() -> None:
-        ce._settings = saved
+        ce._settings, ce.KEEP_IN_L2 = saved, saved_keep
 
     return undo
 
@@ -158,6 +159,12 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     ]
     yield ("triton cross_entropy fwd+grad", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, triton_cands, _triton_ce)
+    # the eviction hints that keep a row in L2 between the forward's two passes, with fewer rows in flight as well
+    yield ("triton cross_entropy fwd+grad, rows kept in L2",
+           lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad), nbytes,
+           [{"block": b, "warps": w, "stages": 1, "per_sm": p, "keep_in_l2": keep}
+            for (b, w), p, keep in itertools.product(((8192, 16), (16384, 16)), (1, 2, 4), (False, True))],
+           _triton_ce)
     # x[target] with the gradient written over the logits (as the linear loss does): the race-free reduction
     # (shipped) against one load and a barrier; the shipped launch settings.
     yield ("triton cross_entropy in-place x_t", lambda: t_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0,
@@ -173,6 +180,17 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     ]
     yield ("helion cross_entropy fwd+grad", lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, helion_cands, _helion_override("_cross_entropy_fwd"))
+    # the loads in the kernel's order (target, x[target], pass 1's logits, scale, pass 2's logits): pass 1 keeps
+    # the row in L2, pass 2 evicts it as it reads; with fewer rows in flight as well
+    keep = ["", "", "last", "", "first"]
+    yield ("helion cross_entropy fwd+grad, rows kept in L2",
+           lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad), nbytes,
+           [{"block_sizes": [1, b, b], "num_warps": 16, "range_num_stages": [0, 1, 1], "pid_type": pid,
+             **({"num_sm_multiplier": p} if pid != "flat" else {}), **({"load_eviction_policies": keep} if k else {})}
+            for b, (pid, p), k in itertools.product(
+                (8192, 16384), (("flat", 0), ("persistent_interleaved", 1), ("persistent_interleaved", 2)),
+                (False, True))],
+           _helion_override("_cross_entropy_fwd"))
 
 
 def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:

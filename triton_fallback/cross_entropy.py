@@ -51,7 +51,7 @@ def _cross_entropy_fwd_kernel(
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
     SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr, WEIGHTED: tl.constexpr,
-    SMOOTH: tl.constexpr,
+    SMOOTH: tl.constexpr, KEEP_IN_L2: tl.constexpr,
 ):
     # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
     # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax; with STATS pass 1 also keeps the
@@ -78,7 +78,11 @@ def _cross_entropy_fwd_kernel(
         xe_sum = tl.full([], 0.0, dtype=tl.float32)  # Σ exp(x − shift)·x, rescaled as row_sum is
         for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
             cols = start + tl.arange(0, BLOCK_V)
-            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            # KEEP_IN_L2 (with a gradient): pass 1's reads stay in L2 for pass 2's, which evicts them as it reads,
+            # and the gradient streams past (a row of 128256 bf16 logits is 256 KB: some 130 rows in flight fill
+            # two thirds of an H100's L2)
+            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf"),
+                        eviction_policy="evict_last" if KEEP_IN_L2 else "").to(tl.float32)
             if SOFTCAP:
                 x = tl.where(cols < V, softcap * _tanh(x * inv_cap), -float("inf"))
             block_max = tl.max(x, axis=0)
@@ -144,7 +148,8 @@ def _cross_entropy_fwd_kernel(
             g_row = grad_ptr + row64 * stride_grad
             for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_V)
-                x = tl.load(x_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+                x = tl.load(x_row + cols, mask=cols < V, other=0.0,
+                            eviction_policy="evict_first" if KEEP_IN_L2 else "").to(tl.float32)
                 if SOFTCAP:
                     th = _tanh(x * inv_cap)
                     x = softcap * th
@@ -158,7 +163,8 @@ def _cross_entropy_fwd_kernel(
                     g = p - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
                 if SOFTCAP:
                     g = g * (1.0 - th * th)
-                tl.store(g_row + cols, (g * s).to(grad_ptr.dtype.element_ty), mask=cols < V)
+                tl.store(g_row + cols, (g * s).to(grad_ptr.dtype.element_ty), mask=cols < V,
+                         eviction_policy="evict_first" if KEEP_IN_L2 else "")
 
 
 @triton.jit
@@ -200,6 +206,10 @@ def _settings(v: int) -> tuple[int, int, int, int]:
 # block). Both pass the in-place race test; "barrier" is the faster (see bench/results/h200/README.md).
 GRAD_XT = "barrier"
 
+# Eviction hints on the forward with a gradient that keep a row's logits in L2 between its two passes (see the
+# kernel); off until measured faster (``python -m bench sweep-llm``'s "rows kept in L2" candidates).
+KEEP_IN_L2 = False
+
 
 def cross_entropy_fwd(
     logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, label_smoothing: float, grad: Tensor | None,
@@ -231,7 +241,7 @@ def cross_entropy_fwd(
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
         SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None,
-        SMOOTH=label_smoothing != 0.0, num_warps=warps,
+        SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=KEEP_IN_L2 and grad is not None, num_warps=warps,
     )
     return loss
 
