@@ -215,6 +215,35 @@ def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
            cands, _helion_override("_matmul_fwd"))
 
 
+def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iterator[Family]:
+    """Helion's grouped GEMM (the moe layers' projections) at one shape, tokens spread evenly over the experts:
+    the forward's tiles, TMA on the weight (with host descriptors, without which Helion drops the K loop's
+    pipelining) and the weight gradient's tile order; "nbytes" is the flops here."""
+    import hkernels.ops.grouped_matmul as h_gm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(t, k, generator=g, device=device, dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, generator=g, device=device, dtype=torch.bfloat16) / k**0.5
+    sizes = torch.full((experts,), t // experts, device=device, dtype=torch.int32)
+    dy = torch.randn(t, n, generator=g, device=device, dtype=torch.bfloat16)
+    tma = {"indexing": ["pointer"] * 3 + ["tensor_descriptor"] + ["pointer"] * 3, "host_tensor_descriptors": True}
+    fwd: list[Candidate] = [
+        {"block_sizes": [bm, bn, 64, 64], "num_warps": 8, "range_num_stages": [0, 0, st, 0], "loop_orders": [[1, 0]],
+         **(tma if desc else {})}
+        for (bm, bn), st, desc in itertools.product(((128, 128), (128, 256), (256, 128)), (3, 4), (False, True))
+    ]
+    yield (f"helion grouped_matmul fwd {t}x{n}x{k}", lambda: h_gm.grouped_matmul_fwd(x, w, sizes),
+           -int(2 * t * n * k), fwd, _helion_override("_grouped_matmul_fwd"))
+    dweight: list[Candidate] = [
+        {"block_sizes": [128, 256, 64], "num_warps": 8, "range_num_stages": [0, 3], "l2_groupings": [8],
+         **({"loop_orders": [order]} if order else {})}
+        for order in (None, [1, 2, 0], [2, 1, 0])
+    ]
+    yield (f"helion grouped_matmul dweight {t}x{n}x{k}",
+           lambda: h_gm.grouped_matmul_bwd(dy, x, w, sizes, False, True), -int(2 * t * n * k), dweight,
+           _helion_override("_grouped_matmul_dweight"))
+
+
 def _triton_matmul_gelu(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
     """The Triton TMA kernel with the bias + tanh-gelu epilogue: epilogue slices, flattening, warp specialization."""
     import dataclasses
@@ -381,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
         torch.cuda.empty_cache()
     extra: list[Family] = [*_attention_bwd(device), *_matmul(8192, 8192, 8192, device),
-                            *_matmul(4096, 28672, 4096, device), *_triton_matmul_gelu(8192, 8192, 8192, device)]
+                            *_matmul(4096, 28672, 4096, device), *_triton_matmul_gelu(8192, 8192, 8192, device),
+                            *_grouped(16384, 28672, 4096, 8, device), *_grouped(16384, 4096, 14336, 8, device)]
     for family, fn, work, candidates, apply in extra:
         if args.only not in family:
             continue
