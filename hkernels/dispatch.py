@@ -94,12 +94,24 @@ def select(op: str, request: str, tensors: tuple[torch.Tensor, ...], fn: str | N
     return "torch", f"auto: {helion_reason}; triton unavailable too"
 
 
+# op -> which calls its torch backend takes with PyTorch's fused kernel, ``takes(fn, tensors)``, where elsewhere it
+# runs the reference math: the table's torch buckets, measured on the fused kernel, hold for those calls only.
+_TORCH_FUSED: dict[str, Callable[[str | None, tuple[torch.Tensor, ...]], bool]] = {}
+
+
+def torch_fused_when(op: str, takes: Callable[[str | None, tuple[torch.Tensor, ...]], bool]) -> None:
+    _TORCH_FUSED[op] = takes
+
+
 def measured_choice(op: str, tensors: tuple[torch.Tensor, ...], fn: str | None = None) -> tuple[str, str] | None:
     found = configs.auto_bucket(op, tensors, fn)
     if found is None:
         return None
     arch, bucket = found
     if bucket["backend"] not in BACKENDS:
+        return None
+    takes = _TORCH_FUSED.get(op) if bucket["backend"] == "torch" else None
+    if takes is not None and not takes(fn, tensors):
         return None
     return bucket["backend"], (f"auto: {bucket['backend']} measured faster on {arch} ({bucket['source']} table; "
                                f"{bucket.get('measured', 'no detail')})")

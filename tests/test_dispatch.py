@@ -545,6 +545,23 @@ def test_attention_forward_and_backward_on_pytorchs_fused_kernel_and_triton_agre
     assert not any(problems), "\n".join(p for p in problems if p)
 
 
+def test_a_torch_bucket_of_attention_holds_only_where_pytorchs_fused_kernel_takes_the_call(user_auto_table,
+                                                                                         monkeypatch, device):
+    """The table's torch buckets for attention were measured on PyTorch's fused kernels: a call those do not take
+    (float32 here; on a CPU, every call) runs a kernel backend, not the torch backend's reference math."""
+    user_auto_table(json.dumps({"attention:attention_fwd": [{"max_rows": None, "max_n": None, "backend": "torch",
+                                                             "measured": "f"}],
+                                "attention": [{"max_rows": None, "max_n": None, "backend": "torch", "measured": "b"}]}))
+    q, k, v = (torch.randn(1, 2, 40, 16, device=device, requires_grad=True) for _ in range(3))
+    math = [_spy(monkeypatch, "torch", "attention", f) for f in ("attention_fwd", "attention_bwd")]
+    out = hkernels.attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    assert math == [[], []]
+    chosen = hkernels.selected_backend("attention", q, k, v)
+    assert chosen == "helion", chosen.reason
+    torch.testing.assert_close(out, references.attention(q, k, v, causal=True), atol=1e-4, rtol=1e-4)
+
+
 def test_torch_backend_attention_moves_past_a_fused_kernel_that_fails(monkeypatch):
     """Where a fused kernel PyTorch's checks accepted raises, the torch backend's attention runs the next one
     (here flash's, then the math), warns once per kernel, and keeps the choice for the call's key. (On a CPU: the

@@ -375,6 +375,19 @@ def _fused_kernels(key: tuple[Any, ...], q: Tensor, k: Tensor, v: Tensor, causal
     return found
 
 
+def _fused(fn: str | None, tensors: tuple[Tensor, ...]) -> bool:
+    """A call of ``fn`` on ``tensors`` that PyTorch's fused kernels take (auto's torch buckets are measured on
+    them; elsewhere the torch backend is the math)."""
+    if fn in ("attention_masked_fwd", "attention_masked_bwd"):
+        return False
+    q, k, v = tensors[1:4] if fn == "attention_bwd" else tensors[:3]
+    key = _fused_key(q, k, v, False)
+    return key is not None and bool(_fused_kernels(key, q, k, v, False))
+
+
+dispatch.torch_fused_when(OP, _fused)
+
+
 def _refused(key: tuple[Any, ...], kind: str, error: Exception) -> None:
     """A fused kernel PyTorch's checks accepted raised: calls of this key try the next one (or the math) from now
     on, with one warning."""
