@@ -63,6 +63,21 @@ def _triton_ce(cand: Candidate) -> Callable[[], None]:
     return undo
 
 
+def _helion_ce_keep(cand: Candidate) -> Callable[[], None]:
+    """A Helion cross-entropy config, with the kernel's eviction hints on or off (``keep_in_l2``)."""
+    import hkernels.ops.cross_entropy as ce
+
+    saved = ce.KEEP_IN_L2_FROM
+    ce.KEEP_IN_L2_FROM = 16384 if cand["keep_in_l2"] else 1 << 62
+    undo_config = _helion_override("_cross_entropy_fwd")({k: v for k, v in cand.items() if k != "keep_in_l2"})
+
+    def undo() -> None:
+        ce.KEEP_IN_L2_FROM = saved
+        undo_config()
+
+    return undo
+
+
 def _triton_ce_xt(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
@@ -180,17 +195,14 @@ def _cross_entropy(t: int, v: int, device: torch.device) -> Iterator[Family]:
     ]
     yield ("helion cross_entropy fwd+grad", lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad),
            nbytes, helion_cands, _helion_override("_cross_entropy_fwd"))
-    # the loads in the kernel's order (target, x[target], pass 1's logits, scale, pass 2's logits): pass 1 keeps
-    # the row in L2, pass 2 evicts it as it reads; with fewer rows in flight as well
-    keep = ["", "", "last", "", "first"]
     yield ("helion cross_entropy fwd+grad, rows kept in L2",
            lambda: h_ce.cross_entropy_fwd(logits, target, scale, -100, 0.0, grad), nbytes,
            [{"block_sizes": [1, b, b], "num_warps": 16, "range_num_stages": [0, 1, 1], "pid_type": pid,
-             **({"num_sm_multiplier": p} if pid != "flat" else {}), **({"load_eviction_policies": keep} if k else {})}
+             **({"num_sm_multiplier": p} if pid != "flat" else {}), "keep_in_l2": k}
             for b, (pid, p), k in itertools.product(
                 (8192, 16384), (("flat", 0), ("persistent_interleaved", 1), ("persistent_interleaved", 2)),
                 (False, True))],
-           _helion_override("_cross_entropy_fwd"))
+           _helion_ce_keep)
 
 
 def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:

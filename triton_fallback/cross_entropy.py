@@ -207,8 +207,10 @@ def _settings(v: int) -> tuple[int, int, int, int]:
 GRAD_XT = "barrier"
 
 # Eviction hints on the forward with a gradient that keep a row's logits in L2 between its two passes (see the
-# kernel); off until measured faster (``python -m bench sweep-llm``'s "rows kept in L2" candidates).
-KEEP_IN_L2 = False
+# kernel), for rows of KEEP_IN_L2_FROM logits or more: measured by ``python -m bench sweep-llm``'s "rows kept in L2"
+# candidates (bench/results/h100/README.md), 1.12x at [8192, 128256] and 1.03x at [4096, 262144] on an H100.
+KEEP_IN_L2 = True
+KEEP_IN_L2_FROM = 16384
 
 
 def cross_entropy_fwd(
@@ -241,7 +243,8 @@ def cross_entropy_fwd(
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
         SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None,
-        SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=KEEP_IN_L2 and grad is not None, num_warps=warps,
+        SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=KEEP_IN_L2 and grad is not None and V >= KEEP_IN_L2_FROM,
+        num_warps=warps,
     )
     return loss
 

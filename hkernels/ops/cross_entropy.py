@@ -30,6 +30,9 @@ Tensor = torch.Tensor
 # traced at a symbolic row count (see hkernels/ops/rms_norm.py)
 SYMBOLIC = frozenset({"cross_entropy_fwd", "cross_entropy_grad", "loss_grad_scale_"})
 LOG2E = 1.4426950408889634
+# rows of this many logits or more keep their logits in L2 between the forward's two passes (eviction hints; the
+# measurement is in triton_fallback/cross_entropy.py's KEEP_IN_L2)
+KEEP_IN_L2_FROM = 16384
 
 
 @helion.kernel(static_shapes=False)
@@ -55,6 +58,7 @@ def _cross_entropy_fwd(
     zloss: hl.constexpr,
     stats: hl.constexpr,
     weighted: hl.constexpr,
+    keep: hl.constexpr,
 ) -> Tensor:
     # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
     # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
@@ -91,7 +95,8 @@ def _cross_entropy_fwd(
                 x_t = softcap * _tanh(x_t * inv_cap)
         for tile_v in hl.tile(v):
             # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
-            x = logits[tile_t, tile_v].to(torch.float32)
+            # keep (with a gradient, long rows): pass 1's reads stay in L2 for pass 2's, which evicts them
+            x = hl.load(logits, [tile_t, tile_v], eviction_policy="evict_last" if keep else None).to(torch.float32)
             if capped:
                 x = softcap * _tanh(x * inv_cap)
             block_max = torch.amax(x, dim=-1)
@@ -140,7 +145,8 @@ def _cross_entropy_fwd(
         if grad is not None:
             s = torch.where(valid, torch.where(in_range, scale[tile_t], float("nan")), 0.0)
             for tile_w in hl.tile(v):
-                x = logits[tile_t, tile_w].to(torch.float32)
+                x = hl.load(logits, [tile_t, tile_w], eviction_policy="evict_first" if keep else None
+                            ).to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
                 if capped:
                     th = _tanh(x * inv_cap)
@@ -221,7 +227,8 @@ def cross_entropy_fwd(
     args = (logits, flat, target, scale, grad, z if zloss else None, pred, ent, weight, logits.stride(0),
             int(ignore_index), float(label_smoothing), float(softcap), 1.0 / softcap if softcap > 0.0 else 0.0,
             float(z_scale), label_smoothing != 0.0, xt_load,
-            softcap > 0.0, zloss, stats is not None, weight is not None)
+            softcap > 0.0, zloss, stats is not None, weight is not None,
+            grad is not None and int(V) >= KEEP_IN_L2_FROM)  # (V: a constant of the kernel, symbolic or not)
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
