@@ -322,6 +322,69 @@ def test_losses_of_leaves_that_hold_a_gradient(backend, device):
 
 
 @pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("linear", [False, True], ids=["logits", "linear_loss"])
+def test_long_rows_kept_in_l2_give_the_same_loss_and_gradients(backend, linear, device, monkeypatch):
+    """Rows of 16384 logits or more take the forward whose loads carry eviction hints (the gradient written in the
+    same pass; in the linear loss, over each chunk's logits): a partial last block of the row, the loss and every
+    gradient bit for bit as the path without the hints, and against float64."""
+    import hkernels.ops.cross_entropy as helion_ce
+    import triton_fallback.cross_entropy as triton_ce
+
+    if linear and backend == "helion" and device.type == "cpu":
+        pytest.skip("Helion's linear loss binds its chunk kernels for 90 s in interpret mode (a GPU runs it)")
+    g = torch.Generator().manual_seed(11)
+    v = 16500
+    target = torch.randint(0, v, (3,), generator=g).to(device)
+    inputs = [torch.randn(3, 8, generator=g), torch.randn(v, 8, generator=g) * 0.5] if linear else \
+        [torch.randn(3, v, generator=g) * 2]
+    inputs = [t.to(device, torch.bfloat16) for t in inputs]
+    fn = hkernels.fused_linear_cross_entropy if linear else hkernels.cross_entropy
+    results = []
+    for start in (16384, 1 << 62):  # with the hints, then without
+        monkeypatch.setattr(helion_ce, "KEEP_IN_L2_FROM", start)
+        monkeypatch.setattr(triton_ce, "KEEP_IN_L2_FROM", start)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with hkernels.use_backend(backend):
+            loss = fn(*leaves, target)
+            results.append((loss.detach(), *torch.autograd.grad(loss, leaves)))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want), backend
+    refs = [t.detach().double().requires_grad_() for t in inputs]
+    ref_fn = references.fused_linear_cross_entropy if linear else references.cross_entropy
+    want = ref_fn(*refs, target)
+    torch.testing.assert_close(results[0][0].double(), want.detach(), rtol=2e-2, atol=2e-2)
+    for got, ref in zip(results[0][1:], torch.autograd.grad(want, refs), strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_long_rows_kept_in_l2_in_place(backend, device, monkeypatch):
+    """The kernel as the linear loss runs it, the gradient written over the logits it reads, on rows of 16384
+    logits or more (eviction hints, x[target] picked out in pass 1): bit for bit as without the hints."""
+    import importlib
+
+    module = importlib.import_module("hkernels.ops.cross_entropy" if backend == "helion"
+                                     else "triton_fallback.cross_entropy")
+    g = torch.Generator().manual_seed(12)
+    v = 16500
+    logits = (torch.randn(3, v, generator=g) * 2).to(device, torch.bfloat16)
+    target = torch.randint(0, v, (3,), generator=g).to(device)
+    scale = torch.full((3,), 1 / 3, device=device)
+    results = []
+    for start in (16384, 1 << 62):  # with the hints, then without
+        monkeypatch.setattr(module, "KEEP_IN_L2_FROM", start)
+        x = logits.clone()
+        loss = module.cross_entropy_fwd(x, target, scale, -100, 0.0, x)
+        results.append((loss, x))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    ref = logits.double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref, target, reduction="none")
+    torch.testing.assert_close(results[0][0].double(), want.detach(), rtol=1e-4, atol=1e-4)
+    (grad,) = torch.autograd.grad(want.sum() / 3, ref)
+    torch.testing.assert_close(results[0][1].double(), grad, rtol=2e-2, atol=2e-3 * float(grad.abs().max()))
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
 def test_cross_entropy_after_the_linear_loss_keeps_its_logits(backend, device):
     """The linear-CE chunk path runs the cross-entropy kernel in place (its gradient written over the chunk's
     logits); a later cross_entropy call of the same shapes must not reuse that compiled Helion function (a cache
