@@ -617,6 +617,46 @@ def test_norm_offset_is_gemmas_one_plus_weight(device):
             torch.testing.assert_close(hkernels.rms_norm(x, w, 1e-6, offset=1.0), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_norm_offset_scale_kept_for_inference_follows_every_change_of_the_weight(op, device):
+    """Without a gradient to carry, the scale offset + w of a weight is made once and kept: a second call makes none;
+    a weight written in place, given new memory (``param.data = ...``, as ``module.to`` does) or another dtype, and
+    another offset each give the new scale; a frozen weight (no requires_grad) in a training step too."""
+    from hkernels.functional import _base
+
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(3, 64, generator=g).to(device) for _ in range(2))
+    w = torch.nn.Parameter((torch.randn(64, generator=g) * 0.1).to(device))
+    fn = getattr(hkernels, op)
+
+    def check(offset: float) -> None:
+        out = fn(x, w, 1e-6, offset=offset) if op == "rms_norm" else fn(x, r, w, 1e-6, offset=offset)[0]
+        h = x if op == "rms_norm" else x + r
+        want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + w.detach().float())
+        torch.testing.assert_close(out.float(), want.to(out.dtype).float(), rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        check(1.0)
+        made = _base.offset_weight(op, w, 1.0)
+        assert _base.offset_weight(op, w, 1.0) is made  # (no op made a new one)
+        w.mul_(3.0)
+        check(1.0)
+        w.data = torch.randn(64, generator=g).to(device)
+        check(1.0)
+        w.data = w.data.to(torch.bfloat16)
+        check(1.0)
+        check(0.5)
+    w.requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    out = fn(xg, w, 1e-6, offset=1.0) if op == "rms_norm" else fn(xg, r, w, 1e-6, offset=1.0)[0]
+    (dx,) = torch.autograd.grad(out.float().sum(), xg)
+    ref = x.clone().requires_grad_()
+    h = ref if op == "rms_norm" else ref + r
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+    (dref,) = torch.autograd.grad(want.to(out.dtype).float().sum(), ref)
+    torch.testing.assert_close(dx.float(), dref, rtol=1e-4, atol=1e-4)
+
+
 def test_norm_llama_casting_is_hugging_faces_llama_rmsnorm(device):
     """casting="llama": the normalised x rounded to x's dtype, then times the weight, the result in their promoted
     dtype — a float32 weight on bfloat16 input gives float32, and gradients of each input's dtype, as the module

@@ -33,6 +33,7 @@ import contextlib
 import math
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -778,7 +779,33 @@ def offset_weight(op: str, weight: Any, offset: Any) -> Tensor:
                          f"got {type(weight).__name__}")
     if weight.dtype not in FLOAT:
         raise TypeError(f"hkernels.{op}: weight must be a floating-point tensor, got {weight.dtype}")
-    return weight.to(compute_dtype(weight.dtype)) + offset
+    if (weight.requires_grad and torch.is_grad_enabled()) or not _cacheable(weight):
+        return weight.to(compute_dtype(weight.dtype)) + offset
+    # Inference (no gradient to carry): the scale of one weight is made once, not by two small ops per call (a
+    # decoding step calls each norm once), and made again when the weight changes: written in place (its version
+    # counts that), given other memory (``param.data = ...``, as ``module.to`` does: the memory it had is held
+    # here, so no new memory can take its place unnoticed) or another dtype, or when the offset changes.
+    storage = weight.untyped_storage()
+    found = _OFFSET_WEIGHTS.get(id(weight))
+    if (found is not None and found[0]() is weight and found[1] == (weight._version, offset, weight.dtype)
+            and found[2]._cdata == storage._cdata):
+        return found[3]
+    scale = weight.to(compute_dtype(weight.dtype)) + offset
+    if len(_OFFSET_WEIGHTS) >= 1024:
+        _OFFSET_WEIGHTS.clear()
+    _OFFSET_WEIGHTS[id(weight)] = (weakref.ref(weight), (weight._version, offset, weight.dtype), storage, scale)
+    return scale
+
+
+# id(weight) -> (the weight, weakly; (its version, the offset, its dtype); its memory; offset + weight in float32)
+_OFFSET_WEIGHTS: dict[int, tuple[Any, tuple[int, float, torch.dtype], Any, Tensor]] = {}
+
+
+def _cacheable(weight: Tensor) -> bool:
+    """A weight whose ``offset + w`` may be kept between calls: a plain tensor outside a trace and a CUDA graph's
+    capture (what they record must be made in them), not an inference-mode tensor (which counts no versions)."""
+    return (type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter) and not weight.is_inference() and \
+        not torch.compiler.is_compiling() and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_tensor(op: str, name: str, t: Any, dims: tuple[int, ...] | None = None) -> None:
