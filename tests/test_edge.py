@@ -657,6 +657,29 @@ def test_norm_offset_scale_kept_for_inference_follows_every_change_of_the_weight
     torch.testing.assert_close(dx.float(), dref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_norm_offset_scale_in_a_cuda_graph_follows_the_weight():
+    """A CUDA graph captured around a Gemma norm without a gradient makes the scale offset + w itself (a scale kept
+    from an eager call would be read by every replay, whatever the weight became): a replay after the weight is
+    written gives the new result."""
+    x = torch.randn(4, 256, device="cuda")
+    w = torch.nn.Parameter(torch.randn(256, device="cuda") * 0.1)
+    with torch.no_grad():
+        hkernels.rms_norm(x, w, 1e-6, offset=1.0)  # (an eager call first: the scale is kept)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            hkernels.rms_norm(x, w, 1e-6, offset=1.0)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = hkernels.rms_norm(x, w, 1e-6, offset=1.0)
+        w.mul_(3.0)
+        graph.replay()
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_llama_casting_is_hugging_faces_llama_rmsnorm(device):
     """casting="llama": the normalised x rounded to x's dtype, then times the weight, the result in their promoted
     dtype — a float32 weight on bfloat16 input gives float32, and gradients of each input's dtype, as the module
