@@ -622,6 +622,8 @@ def test_norm_offset_scale_kept_for_inference_follows_every_change_of_the_weight
     """Without a gradient to carry, the scale offset + w of a weight is made once and kept: a second call makes none;
     a weight written in place, given new memory (``param.data = ...``, as ``module.to`` does) or another dtype, and
     another offset each give the new scale; a frozen weight (no requires_grad) in a training step too."""
+    import gc
+
     from hkernels.functional import _base
 
     g = torch.Generator().manual_seed(6)
@@ -646,6 +648,13 @@ def test_norm_offset_scale_kept_for_inference_follows_every_change_of_the_weight
         w.data = w.data.to(torch.bfloat16)
         check(1.0)
         check(0.5)
+        gone = torch.nn.Parameter(torch.randn(64, generator=g).to(device))
+        key = id(gone)
+        _base.offset_weight(op, gone, 1.0)
+        assert key in _base._OFFSET_WEIGHTS
+        del gone  # (a weight dropped: its kept scale and memory go with it)
+        gc.collect()
+        assert key not in _base._OFFSET_WEIGHTS
     w.requires_grad_(False)
     xg = x.clone().requires_grad_()
     out = fn(xg, w, 1e-6, offset=1.0) if op == "rms_norm" else fn(xg, r, w, 1e-6, offset=1.0)[0]

@@ -793,8 +793,16 @@ def offset_weight(op: str, weight: Any, offset: Any) -> Tensor:
     scale = weight.to(compute_dtype(weight.dtype)) + offset
     if len(_OFFSET_WEIGHTS) >= 1024:
         _OFFSET_WEIGHTS.clear()
-    _OFFSET_WEIGHTS[id(weight)] = (weakref.ref(weight), (weight._version, offset, weight.dtype), storage, scale)
+    _OFFSET_WEIGHTS[id(weight)] = (weakref.ref(weight, _forget_offset_weight), (weight._version, offset, weight.dtype),
+                                   storage, scale)
     return scale
+
+
+def _forget_offset_weight(ref: Any) -> None:
+    """A kept weight is gone: its entry (and the memory it holds) goes too."""
+    for key, found in list(_OFFSET_WEIGHTS.items()):
+        if found[0] is ref:
+            _OFFSET_WEIGHTS.pop(key, None)
 
 
 # id(weight) -> (the weight, weakly; (its version, the offset, its dtype); its memory; offset + weight in float32)
