@@ -50,15 +50,19 @@ def _helion_override(kernel: str) -> Callable[[Candidate], Callable[[], None]]:
     return apply
 
 
+_KEEP_FROM, _NEVER = 16384, 1 << 62  # the cross-entropy kernels' L2 hints from rows of this many logits, or never
+
+
 def _triton_ce(cand: Candidate) -> Callable[[], None]:
     import triton_fallback.cross_entropy as ce
 
-    saved, saved_keep = ce._settings, ce.KEEP_IN_L2
+    saved, saved_keep = ce._settings, ce.KEEP_IN_L2_FROM
     ce._settings = lambda *_: (cand["block"], cand["warps"], cand["stages"], cand["per_sm"])
-    ce.KEEP_IN_L2 = cand.get("keep_in_l2", saved_keep)
+    if "keep_in_l2" in cand:
+        ce.KEEP_IN_L2_FROM = _KEEP_FROM if cand["keep_in_l2"] else _NEVER
 
     def undo() -> None:
-        ce._settings, ce.KEEP_IN_L2 = saved, saved_keep
+        ce._settings, ce.KEEP_IN_L2_FROM = saved, saved_keep
 
     return undo
 
@@ -68,7 +72,7 @@ def _helion_ce_keep(cand: Candidate) -> Callable[[], None]:
     import hkernels.ops.cross_entropy as ce
 
     saved = ce.KEEP_IN_L2_FROM
-    ce.KEEP_IN_L2_FROM = 16384 if cand["keep_in_l2"] else 1 << 62
+    ce.KEEP_IN_L2_FROM = _KEEP_FROM if cand["keep_in_l2"] else _NEVER
     undo_config = _helion_override("_cross_entropy_fwd")({k: v for k, v in cand.items() if k != "keep_in_l2"})
 
     def undo() -> None:

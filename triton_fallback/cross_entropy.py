@@ -209,7 +209,6 @@ GRAD_XT = "barrier"
 # Eviction hints on the forward with a gradient that keep a row's logits in L2 between its two passes (see the
 # kernel), for rows of KEEP_IN_L2_FROM logits or more: measured by ``python -m bench sweep-llm``'s "rows kept in L2"
 # candidates (bench/results/h100/README.md), 1.12x at [8192, 128256] and 1.03x at [4096, 262144] on an H100.
-KEEP_IN_L2 = True
 KEEP_IN_L2_FROM = 16384
 
 
@@ -243,7 +242,7 @@ def cross_entropy_fwd(
         ignore_index, label_smoothing, softcap, z_scale,
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
         SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None,
-        SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=KEEP_IN_L2 and grad is not None and V >= KEEP_IN_L2_FROM,
+        SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=grad is not None and V >= KEEP_IN_L2_FROM,
         num_warps=warps,
     )
     return loss

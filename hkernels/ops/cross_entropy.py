@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 SYMBOLIC = frozenset({"cross_entropy_fwd", "cross_entropy_grad", "loss_grad_scale_"})
 LOG2E = 1.4426950408889634
 # rows of this many logits or more keep their logits in L2 between the forward's two passes (eviction hints; the
-# measurement is in triton_fallback/cross_entropy.py's KEEP_IN_L2)
+# measurement is in triton_fallback/cross_entropy.py's KEEP_IN_L2_FROM)
 KEEP_IN_L2_FROM = 16384
 
 
