@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         (args.out / f"profile_{variant.replace('+', '_')}.txt").write_text(
             f"{line}\n\n{compiled}\n\n{events.table(sort_by='self_cpu_time_total', row_limit=35)}\n\n"
-            f"{events.table(sort_by='self_device_time_total', row_limit=25)}\n")
+            f"{events.table(sort_by='self_device_time_total', row_limit=60)}\n")
         del model, opt
         torch.cuda.empty_cache()
     return 0

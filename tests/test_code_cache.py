@@ -108,9 +108,9 @@ def test_a_bound_helion_call_is_replayed_from_its_first_call(device):
 
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(3, 96, generator=g).to(device), torch.randn(96, generator=g).to(device)
-    host = _helion.compiled(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None, None), 96, x.device)
+    host = _helion.compiled(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, 0.0, None, None), 96, x.device)
     assert _helion.replayable(host)
-    fn, launcher = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None, None), 96, x.device)
+    fn, launcher = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, 0.0, None, None), 96, x.device)
     assert fn is not host
     launches: list[object] = []
 
@@ -118,14 +118,14 @@ def test_a_bound_helion_call_is_replayed_from_its_first_call(device):
         launches.append(kernel)
         return launcher(kernel, *args, **kwargs)
 
-    first = fn(x, None, w, 1e-6, None, None, _launcher=counting)
+    first = fn(x, None, w, 1e-6, 0.0, None, None, _launcher=counting)
     for _ in range(2):
         x2 = torch.randn(3, 96, generator=g).to(device)
-        y = fn(x2, None, w, 1e-6, None, None, _launcher=counting)
-        assert torch.equal(y, host(x2, None, w, 1e-6, None, None, _launcher=launcher))
+        y = fn(x2, None, w, 1e-6, 0.0, None, None, _launcher=counting)
+        assert torch.equal(y, host(x2, None, w, 1e-6, 0.0, None, None, _launcher=launcher))
         assert y.data_ptr() != first.data_ptr()
     assert len(launches) == 3 and len(set(map(id, launches))) == 1  # one launch per call, of the same kernel
-    again, _ = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, None, None), 96, x.device)
+    again, _ = _helion.bind(helion_rms_norm._rms_norm_fwd, (x, None, w, 1e-6, 0.0, None, None), 96, x.device)
     assert again is fn  # a caller that binds on every call gets the same replay, recorded once
 
     line = _helion._HOST_LINE.fullmatch

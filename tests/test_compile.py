@@ -17,7 +17,7 @@ CALLS = {
     "softmax": lambda m, x, w, b: m.softmax(x * w, dim=-1),
 }
 CUSTOM_OPS = {
-    "rms_norm": lambda x, w, b: (torch.ops.hkernels.rms_norm_fwd.default, (x, w, 1e-6, False, "")),
+    "rms_norm": lambda x, w, b: (torch.ops.hkernels.rms_norm_fwd.default, (x, w, 1e-6, 0.0, False, "")),
     "layer_norm": lambda x, w, b: (torch.ops.hkernels.layer_norm_fwd.default, (x, w, b, 1e-5, None, "")),
     "softmax": lambda x, w, b: (torch.ops.hkernels.softmax_fwd.default, (x, None, "")),
 }
@@ -186,7 +186,7 @@ def test_llm_custom_op_registration(op, fused, device):
         "rope": lambda a: (ops.rope_fwd.default, (a[0], a[1], a[2][None], a[3][None], "")),
         "qk_norm_rope": lambda a: (ops.qk_norm_rope_fwd.default, (a[0], a[1], a[2], a[3], a[4][None], a[5][None],
                                                                   1e-6, "")),
-        "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, False, "")),
+        "add_rms_norm": lambda a: (ops.add_rms_norm_fwd.default, (a[0], a[1], a[2], 1e-6, 0.0, False, "")),
         "cross_entropy": lambda a: (ops.cross_entropy_fwd.default,
                                     (a[0], a[1], -100, 0.1, "mean", fused, False, 3.0, 1e-2, True, True,
                                      torch.rand(a[0].shape[1], device=a[0].device) + 0.5, "")),

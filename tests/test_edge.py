@@ -618,59 +618,65 @@ def test_norm_offset_is_gemmas_one_plus_weight(device):
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
-def test_norm_offset_scale_kept_for_inference_follows_every_change_of_the_weight(op, device):
-    """Without a gradient to carry, the scale offset + w of a weight is made once and kept: a second call makes none;
-    a weight written in place, given new memory (``param.data = ...``, as ``module.to`` does) or another dtype, and
-    another offset each give the new scale; a frozen weight (no requires_grad) in a training step too."""
-    import gc
-
-    from hkernels.functional import _base
-
+def test_norm_offset_follows_the_weight_and_the_offset_from_call_to_call(op, device):
+    """The kernels apply offset + w as they load w: calls of one signature (the second and later replay the first's
+    plan in one step) follow a weight written in place, given new memory (``param.data = ...``) or another dtype,
+    and another offset; with a gradient, each call's dx and dw are the formula's for that call's offset; a frozen
+    weight (no requires_grad) in a training step too."""
     g = torch.Generator().manual_seed(6)
     x, r = (torch.randn(3, 64, generator=g).to(device) for _ in range(2))
     w = torch.nn.Parameter((torch.randn(64, generator=g) * 0.1).to(device))
     fn = getattr(hkernels, op)
 
-    def check(offset: float) -> None:
-        out = fn(x, w, 1e-6, offset=offset) if op == "rms_norm" else fn(x, r, w, 1e-6, offset=offset)[0]
-        h = x if op == "rms_norm" else x + r
-        want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + w.detach().float())
-        torch.testing.assert_close(out.float(), want.to(out.dtype).float(), rtol=1e-5, atol=1e-5)
+    def want_of(h: torch.Tensor, w: torch.Tensor, offset: float) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + w.float())
 
-    with torch.no_grad():
-        check(1.0)
-        made = _base.offset_weight(op, w, 1.0)
-        assert _base.offset_weight(op, w, 1.0) is made  # (no op made a new one)
-        w.mul_(3.0)
-        check(1.0)
-        w.data = torch.randn(64, generator=g).to(device)
-        check(1.0)
-        w.data = w.data.to(torch.bfloat16)
-        check(1.0)
-        check(0.5)
-        gone = torch.nn.Parameter(torch.randn(64, generator=g).to(device))
-        key = id(gone)
-        _base.offset_weight(op, gone, 1.0)
-        assert key in _base._OFFSET_WEIGHTS
-        del gone  # (a weight dropped: its kept scale and memory go with it)
-        gc.collect()
-        assert key not in _base._OFFSET_WEIGHTS
-    w.requires_grad_(False)
-    xg = x.clone().requires_grad_()
-    out = fn(xg, w, 1e-6, offset=1.0) if op == "rms_norm" else fn(xg, r, w, 1e-6, offset=1.0)[0]
-    (dx,) = torch.autograd.grad(out.float().sum(), xg)
-    ref = x.clone().requires_grad_()
-    h = ref if op == "rms_norm" else ref + r
-    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
-    (dref,) = torch.autograd.grad(want.to(out.dtype).float().sum(), ref)
-    torch.testing.assert_close(dx.float(), dref, rtol=1e-4, atol=1e-4)
+    def check(offset: float) -> None:
+        for _ in range(3):  # (the first call records a plan; the next replay it)
+            out = fn(x, w, 1e-6, offset=offset) if op == "rms_norm" else fn(x, r, w, 1e-6, offset=offset)[0]
+            h = x if op == "rms_norm" else x + r
+            want = want_of(h, w.detach(), offset)
+            torch.testing.assert_close(out.float(), want.to(out.dtype).float(), rtol=1e-5, atol=1e-5)
+
+    for backend in KERNEL_BACKENDS:
+        with hkernels.use_backend(backend), torch.no_grad():
+            check(1.0)
+            w.mul_(3.0)
+            check(1.0)
+            w.data = torch.randn(64, generator=g).to(device)
+            check(1.0)
+            check(0.5)
+            w.data = w.data.to(torch.bfloat16)
+            check(1.0)
+            w.data = w.data.float()
+        with hkernels.use_backend(backend):
+            for offset in (1.0, 0.5, 1.0):
+                for _ in range(2):
+                    xg, wg = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+                    out = fn(xg, wg, 1e-6, offset=offset) if op == "rms_norm" else \
+                        fn(xg, r, wg, 1e-6, offset=offset)[0]
+                    dy = torch.randn(out.shape, generator=g).to(device)
+                    dx, dw = torch.autograd.grad(out, (xg, wg), dy)
+                    ref, wref = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+                    want = want_of(ref if op == "rms_norm" else ref + r, wref, offset)
+                    dref, dwref = torch.autograd.grad(want, (ref, wref), dy)
+                    torch.testing.assert_close(dx, dref, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(dw, dwref, rtol=1e-4, atol=1e-4)
+            frozen = w.detach()
+            xg = x.clone().requires_grad_()
+            out = fn(xg, frozen, 1e-6, offset=1.0) if op == "rms_norm" else fn(xg, r, frozen, 1e-6, offset=1.0)[0]
+            (dx,) = torch.autograd.grad(out.float().sum(), xg)
+            ref = x.clone().requires_grad_()
+            want = want_of(ref if op == "rms_norm" else ref + r, frozen, 1.0)
+            (dref,) = torch.autograd.grad(want.to(out.dtype).float().sum(), ref)
+            torch.testing.assert_close(dx.float(), dref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_norm_offset_scale_in_a_cuda_graph_follows_the_weight():
-    """A CUDA graph captured around a Gemma norm without a gradient makes the scale offset + w itself (a scale kept
-    from an eager call would be read by every replay, whatever the weight became): a replay after the weight is
-    written gives the new result."""
+def test_norm_offset_in_a_cuda_graph_follows_the_weight():
+    """A CUDA graph captured around a Gemma norm without a gradient reads the weight itself on every replay (offset
+    + w made inside the kernel, nothing kept from an eager call): a replay after the weight is written gives the
+    new result."""
     x = torch.randn(4, 256, device="cuda")
     w = torch.nn.Parameter(torch.randn(256, device="cuda") * 0.1)
     with torch.no_grad():

@@ -33,7 +33,6 @@ import contextlib
 import math
 import sys
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -768,52 +767,15 @@ def check_eps(op: str, eps: Any) -> None:
         raise ValueError(f"hkernels.{op}: eps must be a finite number greater than 0, got {eps!r}")
 
 
-def offset_weight(op: str, weight: Any, offset: Any) -> Tensor:
-    """The norms' ``offset`` (Gemma's ``x̂ · (offset + w)``, offset 1): folded into a float32 weight ``w + offset``
-    ([N], differentiable: the gradient reaches w unchanged), which the kernels scale by as they scale by any
-    weight. Float32 as Gemma computes it: a 16-bit ``1 + w`` would round w's small values away."""
+def check_offset(op: str, offset: Any, weight: Any) -> None:
+    """The norms' ``offset`` (Gemma's ``x̂ · (offset + w)``, offset 1): a finite float, with a weight to add it to.
+    The kernels apply ``offset + w`` in float32 as they load w (Gemma's float32 ``1 + w``: in 16 bits it would
+    round w's small values away); w's gradient is the same for any offset."""
     if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
         raise TypeError(f"hkernels.{op}: offset must be a finite float, got {offset!r}")
-    if not isinstance(weight, torch.Tensor):
+    if offset and not isinstance(weight, torch.Tensor):
         raise ValueError(f"hkernels.{op}: offset {offset!r} scales by offset + weight, so it needs a weight tensor, "
                          f"got {type(weight).__name__}")
-    if weight.dtype not in FLOAT:
-        raise TypeError(f"hkernels.{op}: weight must be a floating-point tensor, got {weight.dtype}")
-    if (weight.requires_grad and torch.is_grad_enabled()) or not _cacheable(weight):
-        return weight.to(compute_dtype(weight.dtype)) + offset
-    # Inference (no gradient to carry): the scale of one weight is made once, not by two small ops per call (a
-    # decoding step calls each norm once), and made again when the weight changes: written in place (its version
-    # counts that), given other memory (``param.data = ...``, as ``module.to`` does: the memory it had is held
-    # here, so no new memory can take its place unnoticed) or another dtype, or when the offset changes.
-    storage = weight.untyped_storage()
-    found = _OFFSET_WEIGHTS.get(id(weight))
-    if (found is not None and found[0]() is weight and found[1] == (weight._version, offset, weight.dtype)
-            and found[2]._cdata == storage._cdata):
-        return found[3]
-    scale = weight.to(compute_dtype(weight.dtype)) + offset
-    if len(_OFFSET_WEIGHTS) >= 1024:
-        _OFFSET_WEIGHTS.clear()
-    _OFFSET_WEIGHTS[id(weight)] = (weakref.ref(weight, _forget_offset_weight), (weight._version, offset, weight.dtype),
-                                   storage, scale)
-    return scale
-
-
-def _forget_offset_weight(ref: Any) -> None:
-    """A kept weight is gone: its entry (and the memory it holds) goes too."""
-    for key, found in list(_OFFSET_WEIGHTS.items()):
-        if found[0] is ref:
-            _OFFSET_WEIGHTS.pop(key, None)
-
-
-# id(weight) -> (the weight, weakly; (its version, the offset, its dtype); its memory; offset + weight in float32)
-_OFFSET_WEIGHTS: dict[int, tuple[Any, tuple[int, float, torch.dtype], Any, Tensor]] = {}
-
-
-def _cacheable(weight: Tensor) -> bool:
-    """A weight whose ``offset + w`` may be kept between calls: a plain tensor outside a trace and a CUDA graph's
-    capture (what they record must be made in them), not an inference-mode tensor (which counts no versions)."""
-    return (type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter) and not weight.is_inference() and \
-        not torch.compiler.is_compiling() and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_tensor(op: str, name: str, t: Any, dims: tuple[int, ...] | None = None) -> None:

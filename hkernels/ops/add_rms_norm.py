@@ -64,59 +64,64 @@ _add_rms_norm_bwd_looped = _Renamed(rms_norm._rms_norm_bwd_looped, "_add_rms_nor
 
 
 def add_rms_norm_fwd(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x, residual: [M, N] (one dtype, unit column stride), weight: [N] or None
-    -> (y [M, N], s = x + residual [M, N], both in x.dtype; rstd [M] float32)."""
-    return _bind_fwd(x, residual, weight, eps)(x, residual, weight, eps)
+    -> (y [M, N], s = x + residual [M, N], both in x.dtype; rstd [M] float32); the scale is ``offset + weight``."""
+    return _bind_fwd(x, residual, weight, eps, offset)(x, residual, weight, eps, offset)
 
 
 def add_rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
+    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None,
+    offset: float = 0.0,
 ) -> tuple[Tensor, Tensor | None]:
     """dy, ds (or None): [M, N], s: [M, N] from the forward, weight: [N] or None, rstd: [M]
     -> (dsum [M, N] in s.dtype, dw [N] in weight.dtype or None); dsum written into ``dx`` where given (it may be
-    dy)."""
-    return _bind_bwd(dy, ds, s, weight, rstd)(dy, ds, s, weight, rstd, dx)
+    dy); the scale is ``offset + weight``."""
+    return _bind_bwd(dy, ds, s, weight, rstd, None, offset)(dy, ds, s, weight, rstd, dx, offset)
 
 
-def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, stats: bool = True
-              ) -> Callable[..., Any]:
-    """``run(x, residual, weight, eps) -> (y, s, rstd)``, or (y, s) with ``stats=False`` (no rstd allocated or
-    written)."""
+def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0,
+              stats: bool = True) -> Callable[..., Any]:
+    """``run(x, residual, weight, eps, offset) -> (y, s, rstd)`` for this eps and offset, or (y, s) with
+    ``stats=False`` (no rstd allocated or written)."""
     M, N = x.shape
     dtype, device = x.dtype, x.device
     if M == 1:
         # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
         # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
-        two = _bind_fwd(x.expand(2, N), residual.expand(2, N), weight, eps, stats)
+        two = _bind_fwd(x.expand(2, N), residual.expand(2, N), weight, eps, offset, stats)
 
-        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, ...]:
+        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
+                        ) -> tuple[Tensor, ...]:
             # (row 0 as a tensor of its own, not a view: a caller may write into the results in place)
             return tuple(torch.ops.aten._unsafe_view(t[:1], (1, *t.shape[1:]))
-                         for t in two(x.expand(2, N), residual.expand(2, N), weight, eps))
+                         for t in two(x.expand(2, N), residual.expand(2, N), weight, eps, offset))
         return run_one_row
     s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
     rstd = row_stats(x) if stats else None
-    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, s, rstd), N, device)
+    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, offset, s, rstd), N, device)
     if not stats:
-        def run_no_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        def run_no_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
+                         ) -> tuple[Tensor, Tensor]:
             s = torch.empty((M, N), dtype=dtype, device=device)
-            return fn(x, residual, weight, eps, s, None, _launcher=launcher), s
+            return fn(x, residual, weight, eps, offset, s, None, _launcher=launcher), s
         return run_no_stats
 
-    def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    def run(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
+            ) -> tuple[Tensor, Tensor, Tensor]:
         s = torch.empty((M, N), dtype=dtype, device=device)
         rstd = row_stats(x)
-        return fn(x, residual, weight, eps, s, rstd, _launcher=launcher), s, rstd
+        return fn(x, residual, weight, eps, offset, s, rstd, _launcher=launcher), s, rstd
     return run
 
 
 def _bind_bwd(dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, rstd: Tensor,
-              dx: Tensor | None = None) -> Callable[..., Any]:
+              dx: Tensor | None = None, offset: float = 0.0) -> Callable[..., Any]:
     if ds is None:  # rms_norm's backward at s, launched as rms_norm launches it
-        return rms_norm.bind_bwd(rms_norm._rms_norm_bwd, rms_norm._rms_norm_bwd_looped, dy, None, s, weight, rstd)
-    return rms_norm.bind_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd)
+        return rms_norm.bind_bwd(rms_norm._rms_norm_bwd, rms_norm._rms_norm_bwd_looped, dy, None, s, weight, rstd,
+                                 offset)
+    return rms_norm.bind_bwd(_add_rms_norm_bwd, _add_rms_norm_bwd_looped, dy, ds, s, weight, rstd, offset)
 
 
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.

@@ -1,7 +1,8 @@
 """RMS norm in Helion (the twin of ``triton_fallback/rms_norm.py``).
 
-Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd · w.
-Backward:  dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x),  dw = Σ_rows dy·x·rstd.
+Math, per row of N elements:  rstd = 1 / sqrt(mean(x²) + eps),  y = x · rstd · w', w' = offset + w in float32
+(offset 0, or Gemma's 1).
+Backward:  dx = rstd·(w'·dy) − x·rstd³·mean(w'·dy·x),  dw = Σ_rows dy·x·rstd.
 
 Bytes for x: [M, N] of b-byte elements: forward reads M·N·b, writes M·N·b (+ 4M for rstd); backward reads dy
 and x, writes dx, plus a [programs, N] float32 partial of dw (summed and cast by ``_partials.sum_partials``).
@@ -37,7 +38,8 @@ SYMBOLIC = frozenset({"rms_norm_fwd", "rms_norm_bwd"})
 
 @helion.kernel(static_shapes=False)
 def _rms_norm_fwd(
-    x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, s: Tensor | None, rstd: Tensor | None
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, offset: float, s: Tensor | None,
+    rstd: Tensor | None,
 ) -> Tensor:
     # x: [M, N] -> y [M, N], and rstd [M] float32 written where given (a backward will follow). A config with
     # reduction_loops=[None] keeps the row in registers (one read of x); reduction_loops=[chunk] loops over it
@@ -55,7 +57,7 @@ def _rms_norm_fwd(
         r = torch.rsqrt(torch.sum(xf * xf, dim=-1) / n + eps)
         out = xf * r[:, None]
         if weight is not None:
-            out = out * weight[None, :].to(torch.float32)
+            out = out * (weight[None, :].to(torch.float32) + offset)
         y[tile_m, :] = out.to(y.dtype)
         if rstd is not None:
             rstd[tile_m] = r
@@ -65,7 +67,7 @@ def _rms_norm_fwd(
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd(
     dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor,
-    rows_per_program: int, programs: int,
+    rows_per_program: int, programs: int, offset: float,
 ) -> Tensor:
     # Resident rows, persistent: program g walks rows [g·R, (g+1)·R) (none past M), reads dy and x once, writes
     # dx [M, N] (the host's buffer: it may be dy, each element read before it is written), and keeps its share of
@@ -83,7 +85,7 @@ def _rms_norm_bwd(
             r = rstd[tile_m]
             wdy = dyf
             if weight is not None:
-                wdy = dyf * weight[None, :].to(torch.float32)
+                wdy = dyf * (weight[None, :].to(torch.float32) + offset)
             c = torch.sum(wdy * xf, dim=-1) / n
             dxf = (wdy - xf * (r * r * c)[:, None]) * r[:, None]
             if ds is not None:
@@ -95,7 +97,7 @@ def _rms_norm_bwd(
 
 
 @helion.kernel(static_shapes=False)
-def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
+def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None, offset: float) -> Tensor:
     # Long rows, step 1 of 2: c = mean(w·dy·x) per row [M] (a looped reduction: reads dy and x once).
     m, n = x.size()
     n = hl.specialize(n)
@@ -103,7 +105,7 @@ def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
     for tile_m in hl.tile(m):
         wdy = dy[tile_m, :].to(torch.float32)
         if weight is not None:
-            wdy = wdy * weight[None, :].to(torch.float32)
+            wdy = wdy * (weight[None, :].to(torch.float32) + offset)
         c[tile_m] = torch.sum(wdy * x[tile_m, :].to(torch.float32), dim=-1) / n
     return c
 
@@ -111,7 +113,7 @@ def _rms_norm_bwd_dot(dy: Tensor, x: Tensor, weight: Tensor | None) -> Tensor:
 @helion.kernel(static_shapes=False)
 def _rms_norm_bwd_looped(
     dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, c: Tensor, dx: Tensor,
-    rows_per_program: int, groups: int,
+    rows_per_program: int, groups: int, offset: float,
 ) -> Tensor:
     # Long rows, step 2 of 2: program (row group g, column block) reads dy and x again (and ds, once), writes dx
     # (as above), and sums its rows' share of dw for its columns.
@@ -127,7 +129,7 @@ def _rms_norm_bwd_looped(
             r = rstd[tile_m]
             wdy = dyf
             if weight is not None:
-                wdy = dyf * weight[None, tile_n].to(torch.float32)
+                wdy = dyf * (weight[None, tile_n].to(torch.float32) + offset)
             dxf = (wdy - xf * (r * r * c[tile_m])[:, None]) * r[:, None]
             if ds is not None:
                 dxf = dxf + ds[tile_m, tile_n].to(torch.float32)
@@ -137,40 +139,43 @@ def _rms_norm_bwd_looped(
     return dw_part
 
 
-def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32)."""
-    return _bind_fwd(x, weight, eps)(x, weight, eps)
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """x: [M, N] (unit column stride), weight: [N] or None -> (y [M, N] in x.dtype, rstd [M] float32); the scale
+    is ``offset + weight``."""
+    return _bind_fwd(x, weight, eps, offset)(x, weight, eps, offset)
 
 
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor | None]:
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None,
+                 offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """dy, x: [M, N], weight: [N] or None, rstd: [M] -> (dx [M, N] in x.dtype, dw [N] in weight.dtype or None);
-    dx written into the given buffer (contiguous; it may be dy) where there is one."""
-    return _bind_bwd(dy, x, weight, rstd)(dy, x, weight, rstd, dx)
+    dx written into the given buffer (contiguous; it may be dy) where there is one; the scale is
+    ``offset + weight``."""
+    return _bind_bwd(dy, x, weight, rstd, None, offset)(dy, x, weight, rstd, dx, offset)
 
 
-def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, stats: bool = True) -> Callable[..., Any]:
-    """``run(x, weight, eps) -> (y, rstd)``, or y alone with ``stats=False``."""
+def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0, stats: bool = True
+              ) -> Callable[..., Any]:
+    """``run(x, weight, eps, offset) -> (y, rstd)``, or y alone with ``stats=False``: for this eps and offset
+    (scalars are constants of a replayed call, as in every binding here)."""
     if not stats:  # (no rstd: neither allocated nor written)
-        fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, None), x.shape[1], x.device)
-        return lambda x, weight, eps: fn(x, None, weight, eps, None, None, _launcher=launcher)
+        fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, offset, None, None), x.shape[1], x.device)
+        return lambda x, weight, eps, offset=0.0: fn(x, None, weight, eps, offset, None, None, _launcher=launcher)
     rstd = row_stats(x)  # (an example, for binding)
     # (Helion 1.5.0 stores to a one-row rstd as to a broadcast, every lane of the row block writing its one
     # element, masked lanes too: a block of one row then)
-    fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, None, rstd), x.shape[1], x.device,
+    fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, offset, None, rstd), x.shape[1], x.device,
                                 (1,) if x.shape[0] == 1 else None)
 
-    def run(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    def run(x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
         rstd = row_stats(x)
-        return fn(x, None, weight, eps, None, rstd, _launcher=launcher), rstd
+        return fn(x, None, weight, eps, offset, None, rstd, _launcher=launcher), rstd
     return run
 
 
-
-def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None
-              ) -> Callable[..., Any]:
-    run = bind_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd)
-    return lambda dy, x, weight, rstd, dx=None: run(dy, None, x, weight, rstd, dx)
+def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor | None = None,
+              offset: float = 0.0) -> Callable[..., Any]:
+    run = bind_bwd(_rms_norm_bwd, _rms_norm_bwd_looped, dy, None, x, weight, rstd, offset)
+    return lambda dy, x, weight, rstd, dx=None, offset=0.0: run(dy, None, x, weight, rstd, dx, offset)
 
 
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
@@ -179,50 +184,53 @@ rms_norm_bwd.bind = _bind_bwd  # type: ignore[attr-defined]
 
 
 def bind_bwd(
-    resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor
+    resident: Any, looped: Any, dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
+    offset: float = 0.0,
 ) -> Callable[..., tuple[Tensor, Tensor | None]]:
     """The backward for arguments of this signature, shared with add_rms_norm: ``run(dy, ds, x, weight, rstd,
-    dx=None) -> (dx [M, N] in x.dtype, dw [N] or None)``. ``resident``, ``looped``: the two kernels as
-    ``_helion.bind`` takes them (add_rms_norm passes them under its own names, for its own configs); ``ds`` [M, N]
-    or None is added to dx before the one rounding; dx is written into the buffer given (contiguous; it may be dy)
-    where there is one."""
+    dx=None, offset) -> (dx [M, N] in x.dtype, dw [N] or None)``, the scale ``offset + weight`` (this offset).
+    ``resident``,
+    ``looped``: the two kernels as ``_helion.bind`` takes them (add_rms_norm passes them under its own names, for
+    its own configs); ``ds`` [M, N] or None is added to dx before the one rounding; dx is written into the buffer
+    given (contiguous; it may be dy) where there is one."""
     M, N = x.shape
     device, dtype = x.device, x.dtype
     if M == 1:
         pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
-        padded = bind_bwd(resident, looped, pdy, pds, px, weight, prstd)
+        padded = bind_bwd(resident, looped, pdy, pds, px, weight, prstd, offset)
 
         def run_one_row(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
-                        dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                        dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
             pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
-            grad, dw = padded(pdy, pds, px, weight, prstd)
+            grad, dw = padded(pdy, pds, px, weight, prstd, None, offset)
             return (grad[:1] if dx is None else dx.copy_(grad[:1])), dw
         return run_one_row
     sum_dw = lazy_sum_partials() if weight is not None else None
     example = torch.empty_like(x, memory_format=torch.contiguous_format)  # dx's, for binding
     if N <= MAX_RESIDENT_BWD:
         rows, programs = _helion.persistent(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
-        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, example, rows, programs), N, device)
+        fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, example, rows, programs, offset), N,
+                                    device)
 
         def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
-                dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
             if dx is None:
                 dx = torch.empty((x.shape[0], N), dtype=dtype, device=device)
-            dw_part = fn(dy, ds, x, weight, rstd, dx, rows, programs, _launcher=launcher)
+            dw_part = fn(dy, ds, x, weight, rstd, dx, rows, programs, offset, _launcher=launcher)
             return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
         return run
-    dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight), N, device)
+    dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight, offset), N, device)
     block_n = _helion.config_for(looped.name, N, device, x.dtype).block_sizes[0]
     rows, groups = _helion.row_groups(M, N, block_n, device)
     c = torch.empty(M, dtype=torch.float32, device=device)  # an example of the dot's output, for binding
-    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, example, rows, groups), N, device)
+    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, example, rows, groups, offset), N, device)
 
     def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
-                   dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        c = dot(dy, x, weight, _launcher=dot_launcher)
+                   dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
+        c = dot(dy, x, weight, offset, _launcher=dot_launcher)
         if dx is None:
             dx = torch.empty((x.shape[0], N), dtype=dtype, device=device)
-        dw_part = fn(dy, ds, x, weight, rstd, c, dx, rows, groups, _launcher=launcher)
+        dw_part = fn(dy, ds, x, weight, rstd, c, dx, rows, groups, offset, _launcher=launcher)
         return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
     return run_looped
 
