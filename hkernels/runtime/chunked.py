@@ -10,10 +10,11 @@ the backend supplies the cross-entropy kernel: each backend's ``fused_linear_cro
 
 grad_weight accumulates in weight's dtype (a float32 accumulator would cost another 4·V·H bytes): every chunk's
 addmm sums in float32 inside cuBLAS and rounds once, so a 16-bit weight gets ⌈T/C⌉ roundings instead of one. The
-first chunk's product makes it (no zeroed [V, H] buffer first); later chunks add in place, except inside a compiled
-graph, where an in-place add into the accumulator becomes an add and a copy of all V·H elements back (a
-device-to-device copy of the head's gradient per chunk, 0.35 ms each for a 128256 × 2048 bf16 head on an H100), so
-there each chunk's addmm makes a new accumulator (the graph's buffers are planned: at most two live at once).
+first chunk's product makes it (no zeroed [V, H] buffer first); later chunks add in place. Inside a compiled graph
+the in-place add is the custom op ``hkernels::addmm_into``, which the compiler keeps in place: ``addmm_`` itself is
+functionalised there into an out-of-place addmm, which cuBLAS's caller runs as a copy of the whole accumulator
+followed by the product (a device-to-device copy of V·H elements per chunk: 0.35 ms each for a 128256 × 2048 bf16
+head on an H100).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
+
+
+@torch.library.custom_op("hkernels::addmm_into", mutates_args=("acc",))
+def addmm_into(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b in place (cuBLAS, beta 1): the accumulation of a compiled graph (see above)."""
+    acc.addmm_(a, b)
+
+
+@addmm_into.register_fake
+def _(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    return None
 
 # Tokens per chunk: at least this many, so every matmul keeps the GPU busy and grad_weight's read-modify-write
 # (2·V·H bytes per chunk) stays small next to its 2·V·H·C flops.
@@ -113,7 +125,7 @@ def linear_cross_entropy(
             if grad_weight is None:
                 grad_weight = torch.mm(grad.t(), h)
             elif traced:
-                grad_weight = torch.addmm(grad_weight, grad.t(), h)
+                addmm_into(grad_weight, grad.t(), h)
             else:
                 grad_weight.addmm_(grad.t(), h)
             if grad_bias is not None:
