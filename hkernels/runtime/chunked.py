@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hkernels.runtime import plan as _plan
+
 Tensor = torch.Tensor
 
 
@@ -108,7 +110,7 @@ def linear_cross_entropy(
     loss = torch.empty(T, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grad else None
     grad_weight: Tensor | None = None
-    traced = torch.compiler.is_compiling()
+    traced = bool(_plan.TRACING) or torch.compiler.is_compiling()  # (recorded into a graph: see addmm_into)
     grad_bias = torch.zeros(V, dtype=torch.float32, device=hidden.device) if with_grad and bias is not None else None
     for start, end in chunk_bounds(T, H, V, rows):
         h = hidden[start:end]
