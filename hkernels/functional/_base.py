@@ -639,11 +639,15 @@ def _untraceable(name: str, e: Exception) -> None:
 
 
 def trace_all() -> None:
-    """:func:`traced` for every hkernels custom op (once each)."""
+    """:func:`traced` for every hkernels custom op of an op (once each); a runtime helper of no op
+    (``hkernels::addmm_into``) the compiler keeps as it is."""
     from torch._library.custom_ops import OPDEFS
 
+    ops = tuple(op + "_" for op in dispatch.ops())
     for qualname, opdef in OPDEFS.items():
-        if qualname.startswith("hkernels::") and not getattr(opdef, "_hkernels_traced", False):
+        name = qualname.partition("::")[2]
+        if qualname.startswith("hkernels::") and not getattr(opdef, "_hkernels_traced", False) and (
+                name == "loss_grad_scale_" or name.startswith(ops)):
             traced(opdef)
             opdef._hkernels_traced = True
 
