@@ -1,6 +1,8 @@
 """``python -m bench <command> [options]``: hkernels' benchmarks and the tools around them.
 
-With no command, or an option first (``python -m bench --quick``), it runs the benchmark (``run``).
+With no command, or an option first (``python -m bench --quick``), it runs the benchmark (``run``). torch.compile's
+on-disk caches go to a directory of this tree of hkernels unless ``TORCHINDUCTOR_CACHE_DIR`` is set
+(``bench.cli.keyed_compile_cache``).
 ``python -m bench <command> --help`` lists a command's options.
 """
 
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"python -m bench: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from bench import cli
+
+    cli.keyed_compile_cache()  # (before any compile: a graph compiled with another tree's kernels is not found)
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(rest)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 import pytest
 
@@ -142,3 +143,31 @@ def test_a_run_without_a_gpu_prints_each_row_once_and_no_time(tmp_path, capsys, 
     assert f"Written to {tmp_path}/: report.md" in out and "table.txt" in out and "results.csv" in out
     with open(tmp_path / "results.csv") as f:
         assert all(not r["first_s"] and not r["bench_s"] and not r["ms"] for r in csv.DictReader(f))
+
+
+def test_the_bench_keys_torch_compiles_caches_by_the_tree(tmp_path, monkeypatch):
+    """python -m bench points torch.compile's on-disk caches at a directory named by the sources of hkernels and
+    triton_fallback (a graph compiled with another tree's kernels is never found): the same tree the same
+    directory, an edited one another; a directory the caller set is kept."""
+    import importlib.util
+    import shutil
+
+    from bench import cli
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    here = cli.keyed_compile_cache()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cli.keyed_compile_cache() == here and "hkernels-" in here
+    for package in ("hkernels", "triton_fallback"):  # a copy of the tree with one kernel file edited
+        source = importlib.util.find_spec(package).submodule_search_locations[0]
+        shutil.copytree(source, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "triton_fallback" / "rms_norm.py").write_text(
+        (tmp_path / "triton_fallback" / "rms_norm.py").read_text() + "\n# an edit\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("hkernels", "triton_fallback"):  # (find_spec answers from sys.modules first)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    edited = cli.keyed_compile_cache()
+    assert edited != here
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert cli.keyed_compile_cache() == str(tmp_path / "mine")
