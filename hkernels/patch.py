@@ -316,13 +316,14 @@ def apply_rotary_pos_emb_v5(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     return _rotate(q, k, cos, sin, unsqueeze_dim)
 
 
-def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
+def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int,
+            mrope_section: list[int] | None = None) -> tuple[Tensor, Tensor]:
     if unsqueeze_dim == 2:
-        qr, kr = _rope.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qr, kr = _rope.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, mrope_section=mrope_section)
         return qr.transpose(1, 2), kr.transpose(1, 2)
     if unsqueeze_dim != 1:
         raise ValueError(f"hkernels.patch.apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
-    return _rope.rope(q, k, cos, sin)
+    return _rope.rope(q, k, cos, sin, mrope_section=mrope_section)
 
 
 def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section: list[int],
@@ -330,8 +331,7 @@ def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tens
     """Qwen2-VL's and Qwen2.5-VL's ``apply_multimodal_rotary_pos_emb`` (transformers 4.x) on :func:`hkernels.rope`
     with ``mrope_section``: q, k [B, H, S, D] (``unsqueeze_dim=1``) or [B, S, H, D] (``unsqueeze_dim=2``); cos, sin
     [3, B, S, D], three position streams."""
-    cos, sin = _rope.mrope_tables(cos, sin, mrope_section)
-    return _rotate(q, k, cos, sin, unsqueeze_dim)
+    return _rotate(q, k, cos, sin, unsqueeze_dim, mrope_section)
 
 
 apply_rotary_pos_emb.hkernels = apply_rotary_pos_emb_v5.hkernels = True  # type: ignore[attr-defined]

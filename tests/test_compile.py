@@ -845,3 +845,40 @@ def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monke
     # automatic: a static graph for the first length, a symbolic one from the second; dynamic=True and marked
     # dims: symbolic from the first
     assert graphs[-1] == graphs[1] == (2 if dynamic is None else 1), f"{op}: graphs after each length: {graphs}"
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton", "torch"] if ON_GPU else ["triton", "torch"])
+def test_multimodal_rope_at_five_lengths_traces_once_symbolic(backend, device, monkeypatch):
+    """rope with mrope_section (three streams' tables) in one compiled function at five lengths (Inductor on a GPU,
+    aot_eager on a CPU): a graph for the first length, one with the length symbolic from the second, no more; on a
+    GPU nothing calls back into hkernels' Python from the third length on; forward and backward as eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor" if ON_GPU else "aot_eager")
+    section = [2, 3, 3]
+    compiled = torch.compile(lambda q, k, c, s: _llm_sum(hkernels.rope(q, k, c, s, mrope_section=section)),
+                             backend=counter)
+    watching, called = [False], []
+    real = hkernels.dispatch.run
+
+    def spy(op_: str, fn_: str, *args: Any) -> Any:
+        if watching[0]:
+            called.append(fn_)
+        return real(op_, fn_, *args)
+
+    monkeypatch.setattr(hkernels.dispatch, "run", spy)
+    g = torch.Generator().manual_seed(11)
+    with hkernels.use_backend(backend):
+        for i, n in enumerate(LENGTHS):
+            q, k = (torch.randn(1, h, n, 16, generator=g).to(device).requires_grad_() for h in (4, 2))
+            angles = torch.randn(3, 1, n, 16, generator=g).to(device)
+            cos, sin = angles.cos(), angles.sin()
+            watching[0] = ON_GPU and i >= 2
+            out = compiled(q, k, cos, sin)
+            grads = torch.autograd.grad(out, (q, k))
+            watching[0] = False
+            assert not called, f"multimodal rope at {n} tokens called back into Python: {called}"
+            want = _llm_sum(hkernels.rope(q, k, cos, sin, mrope_section=section))
+            _assert_same(out, grads, want, torch.autograd.grad(want, (q, k)))
+    assert _graphs(counter) == 2, f"{_graphs(counter)} graphs for five lengths"

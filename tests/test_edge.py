@@ -855,3 +855,41 @@ def test_z_loss_is_part_of_the_loss_and_returned_alone(backend, device):
     torch.testing.assert_close(z, want_z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, plain + want_z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(capped, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_multimodal_rope_selects_streams_without_a_gather_unless_tables_need_gradients(backend, device, monkeypatch):
+    """rope with three sections and tables that need no gradient runs the multimodal custom op (Triton's kernel
+    reads each table element from its stream; no selected tables are made by ``mrope_tables``), equal to the
+    float64 reference at every call of a signature; tables that need gradients take the gather path, and their
+    gradients are the reference's."""
+    from hkernels.functional import rope as rope_module
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 9, 32, generator=g).to(device).requires_grad_()
+    k = torch.randn(2, 2, 9, 32, generator=g).to(device).requires_grad_()
+    angles = torch.randn(3, 2, 9, 32, generator=g).to(device)
+    cos, sin = angles.cos(), angles.sin()
+    section = [4, 6, 6]
+    gathered = []
+    real = rope_module.mrope_tables
+    monkeypatch.setattr(rope_module, "mrope_tables", lambda *a, **kw: gathered.append(1) or real(*a, **kw))
+    with hkernels.use_backend(backend):
+        for _ in range(3):
+            out = hkernels.rope(q, k, cos, sin, mrope_section=section)
+            dy = [torch.randn(t.shape, generator=g).to(device) for t in out]
+            grads = torch.autograd.grad(out, (q, k), dy)
+            want = references.rope(q.double(), k.double(), cos.double(), sin.double(), mrope_section=section)
+            wgrads = torch.autograd.grad(want, (q, k), [d.double() for d in dy])
+            for a, b in (*zip(out, want, strict=True), *zip(grads, wgrads, strict=True)):
+                torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+        assert not gathered
+        tc, ts = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+        out = hkernels.rope(q, k, tc, ts, mrope_section=section)
+        assert gathered
+        want = references.rope(q.double(), k.double(), tc.double(), ts.double(), mrope_section=section)
+        dy = [torch.randn(t.shape, generator=g).to(device) for t in out]
+        got = torch.autograd.grad(out, (tc, ts), dy)
+        ref = torch.autograd.grad(want, (tc, ts), [d.double() for d in dy])
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """rope: rotary position embedding in Hugging Face's rotate_half convention, ``x·cos + rotate_half(x)·sin``.
 
-The public function and its checks, its autograd (custom ops ``hkernels::rope_fwd`` / ``_bwd``), then the
-reference math and the torch backend. Kernels: ``hkernels/ops/rope.py`` (Helion), ``triton_fallback/rope.py``.
+The public function and its checks, its autograd (custom ops ``hkernels::rope_fwd`` / ``_bwd``, and
+``hkernels::rope_mrope_fwd`` / ``_bwd`` for multimodal rope's three streams), then the reference math and the torch
+backend. Kernels: ``hkernels/ops/rope.py`` (Helion), ``triton_fallback/rope.py``.
 """
 
 from __future__ import annotations
@@ -47,14 +48,19 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | 
     With ``mrope_section`` (Qwen2-VL's and Qwen2.5-VL's multimodal rope, e.g. [16, 24, 24] for D = 128): cos, sin
     are [3, S, D] or [3, B, S, D], the tables of three position streams (temporal, height, width), and the head
     dim, split into chunks of ``mrope_section * 2`` elements (its sum is D / 2), takes chunk i's angles from stream
-    i mod 3, as transformers' ``apply_multimodal_rotary_pos_emb`` does. The selected tables [B, S, D] are made by
-    one small gather (3·B·S·D elements read, B·S·D written per table: a few % of q's and k's bytes), then rotated
-    by the same kernels. Not with ``position_ids``.
+    i mod 3, as transformers' ``apply_multimodal_rotary_pos_emb`` does. With three sections (Qwen2-VL's and
+    Qwen2.5-VL's) and tables that need no gradient, the Triton kernel reads each element from its stream (no
+    selected tables made); otherwise the selected tables [B, S, D] are made first by one small gather, then
+    rotated. Not with ``position_ids``.
     """
     if mrope_section is not None:
         if position_ids is not None:
             raise ValueError("hkernels.rope: mrope_section takes its positions in cos and sin (three streams), not "
                              "position_ids")
+        if type(mrope_section) in (list, tuple) and len(mrope_section) == 3 and not (
+                torch.is_grad_enabled() and (getattr(cos, "requires_grad", False)
+                                             or getattr(sin, "requires_grad", False))):
+            return _CALLS_M(q, k, cos, sin, tuple(mrope_section))
         cos, sin = mrope_tables(cos, sin, mrope_section, q)
     if position_ids is None:
         return _CALLS(q, k, cos, sin)
@@ -65,6 +71,14 @@ def mrope_tables(cos: Tensor, sin: Tensor, mrope_section: list[int] | tuple[int,
                  ) -> tuple[Tensor, Tensor]:
     """Multimodal rope's tables: cos, sin [3, S, D] or [3, B, S, D] (three position streams) -> [S, D] or [B, S, D],
     element d taken from stream i mod 3 where chunk i of ``mrope_section * 2`` holds d. Differentiable (a gather)."""
+    _check_section(cos, sin, mrope_section, q)
+    D = cos.shape[-1]
+    stream = _streams(tuple(mrope_section), cos.device)  # [D]: the stream of each element
+    index = stream.view(1, *([1] * (cos.dim() - 2)), D).expand(1, *cos.shape[1:])
+    return cos.gather(0, index).squeeze(0), sin.gather(0, index).squeeze(0)
+
+
+def _check_section(cos: Any, sin: Any, mrope_section: Any, q: Any = None) -> None:
     if (not isinstance(mrope_section, (list, tuple)) or not mrope_section
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mrope_section)):
         raise TypeError(f"hkernels.rope: mrope_section must be a list of positive ints, got {mrope_section!r}")
@@ -76,11 +90,8 @@ def mrope_tables(cos: Tensor, sin: Tensor, mrope_section: list[int] | tuple[int,
     D = cos.shape[-1]
     if 2 * sum(mrope_section) != D:
         raise ValueError(f"hkernels.rope: mrope_section {list(mrope_section)} must sum to D / 2 = {D / 2} (D = {D})")
-    if q is not None and q.dim() == 4 and q.shape[-1] != D:
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] != D:
         raise ValueError(f"hkernels.rope: cos and sin have D = {D}, q has {q.shape[-1]}")
-    stream = _streams(tuple(mrope_section), cos.device)  # [D]: the stream of each element
-    index = stream.view(1, *([1] * (cos.dim() - 2)), D).expand(1, *cos.shape[1:])
-    return cos.gather(0, index).squeeze(0), sin.gather(0, index).squeeze(0)
 
 
 _STREAMS: dict[tuple[Any, ...], Tensor] = {}
@@ -163,6 +174,15 @@ def _check(q: Any, k: Any, cos: Any, sin: Any) -> None:
     check_tables(q, k, cos, sin)
 
 
+def _check_m(q: Any, k: Any, cos: Any, sin: Any, section: tuple[int, ...]) -> None:
+    """Multimodal rope's call: q, k and three streams' tables [3, S, D] or [3, B, S, D] for them."""
+    _check_section(cos, sin, section, q)
+    check_tables(q, k, cos[0], sin[0])
+    if cos.shape != sin.shape:
+        raise ValueError(f"hkernels.{OP}: cos and sin must have the same shape, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+
+
 def _check_at(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any) -> None:
     check_positions(q, k, cos, sin, position_ids)
 
@@ -186,6 +206,22 @@ def _at(cos: Tensor, sin: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]
 
 def _body(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return call(_fwd, q, k, _table(cos), _table(sin), request)
+
+
+def _streams_table(t: Tensor) -> Tensor:
+    """[3, S, D] or [3, B, S, D] -> [3, 1 or B, S, D], contiguous."""
+    return (t if t.dim() == 4 else t.unsqueeze(1)).contiguous()
+
+
+def _splits(section: tuple[int, ...]) -> tuple[int, int]:
+    """Where streams 1 and 2 start in each half of the head dim (sections [a, b, c]: columns [0, a) of each half
+    from stream 0, [a, a + b) from stream 1, the rest from stream 2)."""
+    return section[0], section[0] + section[1]
+
+
+def _body_m(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, section: tuple[int, ...]
+            ) -> tuple[Tensor, Tensor]:
+    return call(_fwd_m, q, k, _streams_table(cos), _streams_table(sin), *_splits(section), request)
 
 
 def _body_at(request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
@@ -262,6 +298,56 @@ def _table_grads(q: Tensor, k: Tensor, dq: Tensor, dk: Tensor, cos: Tensor) -> t
 autograd(_fwd, _backward, _setup)
 
 
+# Multimodal rope: cos, sin [3, 1 or B, S, D] contiguous, three streams; columns [0, split_a) of each half of the
+# head dim from stream 0, [split_a, split_b) from stream 1, [split_b, D/2) from stream 2. The tables need no gradient
+# (calls whose tables do take the gather path).
+@torch.library.custom_op("hkernels::rope_mrope_fwd", mutates_args=())
+def _fwd_m(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
+           ) -> tuple[Tensor, Tensor]:
+    if q.numel() == 0 or k.numel() == 0:
+        return dispatch.run(OP, "rope_mrope_fwd", "torch", q, k, cos, sin, split_a, split_b)
+    return dispatch.run(OP, "rope_mrope_fwd", backend, _d_unit(q), _d_unit(k), cos, sin, split_a, split_b)
+
+
+@_fwd_m.register_fake
+def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
+      ) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("hkernels::rope_mrope_bwd", mutates_args=())
+def _bwd_m(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
+           ) -> tuple[Tensor, Tensor]:
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dispatch.run(OP, "rope_mrope_bwd", "torch", dq, dk, cos, sin, split_a, split_b)
+    return dispatch.run(OP, "rope_mrope_bwd", backend, _d_unit(dq), _d_unit(dk), cos, sin, split_a, split_b)
+
+
+@_bwd_m.register_fake
+def _(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
+      ) -> tuple[Tensor, Tensor]:
+    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
+
+
+def _setup_m(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, cos, sin, split_a, split_b, backend = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.backend, ctx.splits = backend, (split_a, split_b)
+    ctx.q_shape, ctx.k_shape, ctx.q_dtype = q.shape, k.shape, q.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _backward_m(ctx: Any, dq_rot: Tensor | None, dk_rot: Tensor | None) -> tuple[Tensor | None, ...]:
+    cos, sin = ctx.saved_tensors
+    dq_rot = dq_rot if dq_rot is not None else cos.new_zeros(ctx.q_shape, dtype=ctx.q_dtype)
+    dk_rot = dk_rot if dk_rot is not None else cos.new_zeros(ctx.k_shape, dtype=ctx.q_dtype)
+    dq, dk = call(_bwd_m, dq_rot, dk_rot, cos, sin, *ctx.splits, ctx.backend)
+    return dq, dk, None, None, None, None, None
+
+
+autograd(_fwd_m, _backward_m, _setup_m)
+
+
 # ------------------------------------------------------------------------------- reference and the torch backend
 
 
@@ -317,6 +403,27 @@ def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, 
     return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True)
 
 
+def mrope_select(t: Tensor, split_a: int, split_b: int) -> Tensor:
+    """Three streams' table [3, Bc, S, D] -> the selected table [Bc, S, D]: columns [0, split_a) of each half from
+    stream 0, [split_a, split_b) from stream 1, the rest from stream 2."""
+    half = t.shape[-1] // 2
+    bounds = ((0, split_a, 0), (split_a, split_b, 1), (split_b, half, 2))
+    parts = [t[i, ..., lo + h:hi + h] for h in (0, half) for lo, hi, i in bounds]
+    return torch.cat(parts, dim=-1)
+
+
+def rope_mrope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
+                   ) -> tuple[Tensor, Tensor]:
+    """Multimodal rope: cos, sin [3, Bc, S, D] of three streams (see ``_fwd_m``) -> (q_rot, k_rot)."""
+    return rope_fwd(q, k, mrope_select(cos, split_a, split_b), mrope_select(sin, split_a, split_b))
+
+
+def rope_mrope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
+                   ) -> tuple[Tensor, Tensor]:
+    """The transposed rotation of the upstream gradients, with three streams' tables."""
+    return rope_bwd(dq, dk, mrope_select(cos, split_a, split_b), mrope_select(sin, split_a, split_b))
+
+
 def _fast(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Any:
     """Calls of this signature in one step: the kernel function the plan ran (through a Lane when a gradient is
     wanted)."""
@@ -332,5 +439,20 @@ def _fast(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tenso
     return lambda q, k, cos, sin: run(q, k, _table(cos), _table(sin))
 
 
+def _fast_m(plan: Any, request: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, section: tuple[int, ...]
+            ) -> Any:
+    """Multimodal rope's calls of this signature in one step (as ``_fast``)."""
+    run = bound(plan, "rope_mrope_fwd")
+    if run is None or q.stride(-1) != 1 or k.stride(-1) != 1 or not (q.numel() and k.numel()):
+        return None
+    split_a, split_b = _splits(section)
+    if wants_grad(q, k):
+        run = Lane(run, _setup_m, _backward_m, request, 6).apply
+    if cos.dim() == 4 and cos.is_contiguous() and sin.is_contiguous():
+        return lambda q, k, cos, sin, section: run(q, k, cos, sin, split_a, split_b)
+    return lambda q, k, cos, sin, section: run(q, k, _streams_table(cos), _streams_table(sin), split_a, split_b)
+
+
 _CALLS = Public(OP, _check, _body, _fast)
+_CALLS_M = Public(OP, _check_m, _body_m, _fast_m)
 _CALLS_AT = Public(OP, _check_at, _body_at, values=_values_at)  # calls with position_ids: a path of their own

@@ -15,6 +15,10 @@ block of heads of q or of k, each tensor with its own block shape (k has fewer h
 both load 16-byte vectors. Each program reads its tokens' cos/sin; the other programs of those tokens re-read them
 from L2 (Llama-3 8B, float32 tables: 2 KB of table reads per token beside 20 KB of q and k traffic).
 
+Multimodal rope (three position streams, ``rope_mrope_fwd`` / ``_bwd``) selects each table's elements from their
+streams first (``hkernels.functional.rope.mrope_select``, PyTorch ops) and rotates with the same kernel: Helion 1.5
+has no per-column choice of the row a load reads (Triton's twin reads each element from its stream).
+
 The kernel sees every tensor as [B, H, S, 2, D/2] views (the two halves as an index), the tables expanded to
 [B, S, 2, D/2] (stride 0 along B when shared) and outputs allocated by the host: so the host may swap the roles
 of B and S (a view of all of them), and blocks of positions fill up also when S = 1 and B is large.
@@ -28,6 +32,7 @@ import helion
 import helion.language as hl
 import torch
 
+from hkernels.functional.rope import mrope_select
 from hkernels.ops import _helion
 from hkernels.runtime import plan as _plan
 from hkernels.runtime.launch import bound_launcher
@@ -36,7 +41,7 @@ Tensor = torch.Tensor
 _INT32_LIMIT = 2**31 - 1
 # traced at a symbolic length (see hkernels/ops/rms_norm.py): the config and the block shapes follow from the head
 # counts and D; a symbolic token count takes the bucket of many tokens
-SYMBOLIC = frozenset({"rope_fwd", "rope_bwd"})
+SYMBOLIC = frozenset({"rope_fwd", "rope_bwd", "rope_mrope_fwd", "rope_mrope_bwd"})
 _MANY_TOKENS = 1 << 20
 
 
@@ -196,3 +201,32 @@ def rope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor) -> tuple[
 # Binders (see hkernels/runtime/plan.py): the same function for every call of one signature, set up once.
 rope_fwd.bind = lambda q, k, cos, sin: _bind(q, k, cos, sin, False)  # type: ignore[attr-defined]
 rope_bwd.bind = lambda dq, dk, cos, sin: _bind(dq, dk, cos, sin, True)  # type: ignore[attr-defined]
+
+
+def _bind_mrope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backward: bool
+                ) -> Callable[..., tuple[Tensor, Tensor]]:
+    """Multimodal rope for arguments of this signature: ``run(x_q, x_k, cos, sin, split_a, split_b)``, the three
+    streams' tables [3, Bc, S, D] selected, then rotated."""
+    run = _bind(x_q, x_k, mrope_select(cos, split_a, split_b), mrope_select(sin, split_a, split_b), backward)
+
+    def run_mrope(x_q: Tensor, x_k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
+                  ) -> tuple[Tensor, Tensor]:
+        return run(x_q, x_k, mrope_select(cos, split_a, split_b), mrope_select(sin, split_a, split_b))
+    return run_mrope
+
+
+def rope_mrope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
+                   ) -> tuple[Tensor, Tensor]:
+    """q, k as :func:`rope_fwd`'s; cos, sin: [3, 1 or B, S, D] contiguous, three streams (columns [0, split_a) of
+    each half of the head dim from stream 0, [split_a, split_b) from stream 1, the rest from stream 2)."""
+    return _bind_mrope(q, k, cos, sin, split_a, split_b, False)(q, k, cos, sin, split_a, split_b)
+
+
+def rope_mrope_bwd(dq_rot: Tensor, dk_rot: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
+                   ) -> tuple[Tensor, Tensor]:
+    """The transposed rotation of the upstream gradients, with three streams' tables."""
+    return _bind_mrope(dq_rot, dk_rot, cos, sin, split_a, split_b, True)(dq_rot, dk_rot, cos, sin, split_a, split_b)
+
+
+rope_mrope_fwd.bind = lambda q, k, cos, sin, a, b: _bind_mrope(q, k, cos, sin, a, b, False)  # type: ignore[attr-defined]
+rope_mrope_bwd.bind = lambda dq, dk, cos, sin, a, b: _bind_mrope(dq, dk, cos, sin, a, b, True)  # type: ignore[attr-defined]
