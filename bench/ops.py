@@ -84,6 +84,7 @@ def _liger() -> dict[str, Callable[..., object]]:
         "geglu": lambda g, u: LigerGELUMulFunction.apply(g, u),  # tanh form, as hkernels.geglu's default
         "rope": lambda q, k, c, s: LigerRopeFunction.apply(q, k, c, s),
         "rms_norm_gemma": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 1.0, "gemma"),
+        "add_rms_norm_gemma": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 1.0, "gemma"),
         "rope_mrope": lambda q, k, c, s: LigerQwen2VLMRopeFunction.apply(q, k, c, s, list(MROPE_SECTION)),
         "add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6),
         # Liger's cross-entropy writes the gradient over the logits (the caller's tensor): allowed for a peer.
@@ -149,6 +150,12 @@ def _eager_gemma_norm(x: Tensor, w: Tensor) -> Tensor:
     """Gemma's RMSNorm as transformers writes it: float32 throughout, the scale 1 + w."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(x.dtype)
+
+
+def _eager_add_gemma_norm(x: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Gemma's residual add, then its RMSNorm (float32 throughout, the scale 1 + w)."""
+    s = x + r
+    return _eager_gemma_norm(s, w), s
 
 
 def _eager_mrope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -589,6 +596,12 @@ OPS: dict[str, OpBench] = {
         eager=_eager_gemma_norm,
         ref=lambda x, w: references.rms_norm(x, w, 1e-6, offset=1.0),
         dim="hidden", passes=(2, 3), params=1,
+    ),
+    "add_rms_norm_gemma": _bench(
+        "add_rms_norm_gemma",
+        eager=_eager_add_gemma_norm,
+        ref=lambda x, r, w: references.add_rms_norm(x, r, w, 1e-6, offset=1.0),
+        dim="hidden", passes=(4, 4), params=1,
     ),
     "rope_mrope": _bench(
         "rope_mrope",

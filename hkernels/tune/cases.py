@@ -57,6 +57,12 @@ def _add_norm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, 
     return [x, r, torch.randn(n, generator=g, device=device, dtype=dtype) * 0.5 + 1]
 
 
+def _add_norm_gemma(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator
+                    ) -> list[Tensor]:
+    x, r, w = _add_norm(m, n, k, dtype, device, g)
+    return [x, r, w - 1]  # (Gemma's weights near 0: the scale 1 + w)
+
+
 def _rope(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, g: torch.Generator) -> list[Tensor]:
     # one sequence of M tokens; q and k laid out as HF makes them: [B, S, H, D] projections viewed as [B, H, S, D]
     heads = n // HEAD_DIM
@@ -205,7 +211,8 @@ OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attenti
          "attention_d64_softcap": "attention", "attention_varlen_mixed": "attention_varlen",
          "attention_d64_varlen": "attention_varlen", "attention_d64_varlen_mixed": "attention_varlen",
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe",
-         "rms_norm_gemma": "rms_norm", "rope_mrope": "rope", "cross_entropy_softcap_z": "cross_entropy",
+         "rms_norm_gemma": "rms_norm", "add_rms_norm_gemma": "add_rms_norm", "rope_mrope": "rope",
+         "cross_entropy_softcap_z": "cross_entropy",
          "fused_linear_cross_entropy_softcap_z": "fused_linear_cross_entropy"}
 # The loss options of the *_softcap_z cases: Gemma 2's final logit softcap and a z-loss.
 LOSS_OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
@@ -226,6 +233,8 @@ OPS: dict[str, OpInputs] = {
         OpInputs("geglu", _gated, (0, 1), lambda g, u: hkernels.geglu(g, u, "tanh")),
         # Gemma's norm: x̂ · (1 + w), the scale taken in float32 (weights near 0, as Gemma's are)
         OpInputs("rms_norm_gemma", _rows(1), (0, 1), lambda x, w: hkernels.rms_norm(x, w, 1e-6, offset=1.0)),
+        OpInputs("add_rms_norm_gemma", _add_norm_gemma, (0, 1, 2),
+                 lambda x, r, w: hkernels.add_rms_norm(x, r, w, 1e-6, offset=1.0)),
         OpInputs("rope", _rope, (0, 1), hkernels.rope),
         OpInputs("rope_mrope", _mrope, (0, 1), lambda q, k, c, s: hkernels.rope(q, k, c, s,
                                                                                  mrope_section=list(MROPE_SECTION))),
