@@ -489,11 +489,11 @@ def test_a_body_that_cannot_be_traced_runs_opaque_with_one_warning(monkeypatch, 
 
     real = module.rms_norm_fwd
 
-    def fails_when_traced(x, weight, eps):
+    def fails_when_traced(x, weight, eps, offset=0.0):
         _ = x * 2  # recorded into the graph, then dead
         if _plan.TRACING:
             raise RuntimeError("not traceable here")
-        return real(x, weight, eps)
+        return real(x, weight, eps, offset)
 
     monkeypatch.setattr(module, "rms_norm_fwd", fails_when_traced)
     torch._dynamo.reset()
