@@ -797,6 +797,22 @@ def test_compile_modes_with_the_length_varying(op, backend, mode, device):
     assert computing == 2, f"{op} under {mode}: {computing} graphs for the lengths {lengths}"
 
 
+def _watch_dispatch(monkeypatch: Any) -> tuple[list[bool], list[str]]:
+    """(watching, called): while ``watching[0]`` is set, each backend function ``hkernels.dispatch.run`` is asked to
+    run (a call back into hkernels' Python) is appended to ``called``."""
+    watching: list[bool] = [False]
+    called: list[str] = []
+    real = hkernels.dispatch.run
+
+    def spy(op_: str, fn_: str, *args: Any) -> Any:
+        if watching[0]:
+            called.append(fn_)
+        return real(op_, fn_, *args)
+
+    monkeypatch.setattr(hkernels.dispatch, "run", spy)
+    return watching, called
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only (the trace itself is checked "
                     "on a CPU by test_every_kernel_launch_is_traced_into_the_graph)")
 @pytest.mark.parametrize("dynamic", [None, True, "mark_dynamic"], ids=["automatic", "dynamic", "mark_dynamic"])
@@ -817,15 +833,7 @@ def test_symbolic_length_runs_traced_kernels(op, backend, dynamic, device, monke
     marked = dynamic == "mark_dynamic"
     compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), backend=counter,
                              dynamic=None if marked else dynamic)
-    watching, called = [False], []
-    real = hkernels.dispatch.run
-
-    def spy(op_: str, fn_: str, *args: Any) -> Any:
-        if watching[0]:
-            called.append(fn_)
-        return real(op_, fn_, *args)
-
-    monkeypatch.setattr(hkernels.dispatch, "run", spy)
+    watching, called = _watch_dispatch(monkeypatch)
     g = torch.Generator().manual_seed(8)
     graphs = []
     with hkernels.use_backend(backend):
@@ -862,15 +870,7 @@ def test_multimodal_rope_at_five_lengths_traces_once_symbolic(backend, device, m
     section = [2, 3, 3]
     compiled = torch.compile(lambda q, k, c, s: _llm_sum(hkernels.rope(q, k, c, s, mrope_section=section)),
                              backend=counter)
-    watching, called = [False], []
-    real = hkernels.dispatch.run
-
-    def spy(op_: str, fn_: str, *args: Any) -> Any:
-        if watching[0]:
-            called.append(fn_)
-        return real(op_, fn_, *args)
-
-    monkeypatch.setattr(hkernels.dispatch, "run", spy)
+    watching, called = _watch_dispatch(monkeypatch)
     g = torch.Generator().manual_seed(11)
     with hkernels.use_backend(backend):
         for i, n in enumerate(LENGTHS):
