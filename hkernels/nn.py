@@ -228,11 +228,13 @@ class CrossEntropyLoss(nn.Module):
 class LinearCrossEntropyLoss(nn.Module):
     """The loss of an LM head without its logits: ``forward(hidden [..., H], weight [V, H], target [...],
     bias=None)`` is ``cross_entropy(hidden @ weight.T + bias, target)`` by
-    :func:`hkernels.fused_linear_cross_entropy` (leading dims flattened)."""
+    :func:`hkernels.fused_linear_cross_entropy` (leading dims flattened); ``chunk_size`` its tokens per chunk."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 chunk_size: int | None = None) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.chunk_size = chunk_size
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
         if hidden.shape[:-1] != target.shape:
@@ -241,7 +243,7 @@ class LinearCrossEntropyLoss(nn.Module):
         tokens = math.prod(target.shape)
         loss = fused_linear_cross_entropy(
             hidden.reshape(tokens, hidden.shape[-1]), weight, target.reshape(tokens), bias, self.ignore_index,
-            self.reduction, self.label_smoothing,
+            self.reduction, self.label_smoothing, chunk_size=self.chunk_size,
         )
         return loss.view(target.shape) if self.reduction == "none" else loss
 

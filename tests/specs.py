@@ -289,7 +289,8 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
                              ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                              lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
                              return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                             return_entropy: bool = False, ce_weight: Tensor | None = None) -> Any:
+                             return_entropy: bool = False, ce_weight: Tensor | None = None,
+                             chunk_size: int | None = None) -> Any:
     """The error baseline of the linear loss: plain PyTorch in the input dtype over the same token chunks as the op
     (hkernels/runtime/chunked.py), so its gradients for weight and bias are sums of per-chunk gradients each rounded to
     that dtype, as the op's are by design (an unchunked baseline rounds once and would hold the op to a
@@ -298,7 +299,7 @@ def _torch_chunked_linear_ce(hidden: Tensor, weight: Tensor, target: Tensor, bia
     from hkernels.functional.cross_entropy import loss_output
     from hkernels.runtime import chunked as _chunked
 
-    rows = _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    rows = chunk_size or _chunked.chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     parts = [  # per token of each chunk: (loss, z term, -, predicted class, entropy)
         references.cross_entropy(torch.nn.functional.linear(hidden[i:i + rows], weight, bias).float(),
                                  target[i:i + rows], ignore_index, "none", label_smoothing,
@@ -418,6 +419,8 @@ CASES_LLM: list[Case] = [
     _flce_case("all_ignored", 4, 16, 50, ignored=1.0),
     _flce_case("chunks", 150, 16, 64, unit=True, min_chunk=64),  # 3 chunks, the last partial
     _flce_case("chunks_none", 150, 16, 64, reduction="none", min_chunk=64),
+    _flce_case("chunk_size", 150, 16, 64, unit=True, chunk_size=48),  # the caller's chunks: 4, the last of 6 tokens
+    _flce_case("chunk_size_none", 150, 16, 64, reduction="none", chunk_size=40, softcap=3.0),
     _flce_case("softcap_z", 9, 32, 200, softcap=4.0, lse_square_scale=1e-2),
     _flce_case("softcap_z_returned_chunks", 150, 16, 64, unit=True, min_chunk=64, softcap=2.0, lse_square_scale=1e-3,
                return_z_loss=True),

@@ -312,6 +312,16 @@ def test_attention_options_are_checked(op, change, error, pattern, device):
         getattr(hkernels, op)(**args)
 
 
+@pytest.mark.parametrize("chunk_size", [0, -4, 2.5, True, "64"])
+def test_linear_loss_chunk_size_is_checked(chunk_size, device):
+    """Tokens per chunk: a positive int or None; anything else is named, never rounded or taken as the default."""
+    if device.type == "meta":
+        pytest.skip("needs a device other than meta")
+    args = GOOD["fused_linear_cross_entropy"][0](device)
+    with pytest.raises(ValueError, match=r"hkernels\.fused_linear_cross_entropy: chunk_size must be a positive int"):
+        hkernels.fused_linear_cross_entropy(**args, chunk_size=chunk_size)
+
+
 # Cells with a right answer: the op's fuzz maker with the choices fixed, checked as the fuzzing checks.
 RIGHT: dict[str, dict[str, Any]] = {
     "zero_rows": {"rows": 0, "tokens": 0, "seq": 0, "m": 0},

@@ -192,7 +192,7 @@ def test_llm_custom_op_registration(op, fused, device):
                                      torch.rand(a[0].shape[1], device=a[0].device) + 0.5, "")),
         "fused_linear_cross_entropy": lambda a: (
             ops.fused_linear_cross_entropy_fwd.default,
-            (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, 2.0, 1e-3, True, True, None, "")
+            (a[0], a[1], a[2], None, -100, 0.0, "sum", fused, 2.0, 1e-3, True, True, None, 5, "")
         ),
         "matmul": lambda a: (ops.matmul_fwd.default, (a[0], a[1], a[2], "silu", True, "")),
         "attention": lambda a: (ops.attention_fwd.default, (a[0], a[1], a[2], True, 0.25, -1, 0, 0.0, "")),
@@ -347,12 +347,15 @@ SYMBOLIC_TRACED = [
 ]
 
 
-@pytest.mark.parametrize(("tokens", "h", "parts"), [(7, 2048, 1), (1024, 2048, 1), (1025, 2048, 4), (4096, 2048, 4),
-                                                 (9000, 2048, 16), (70000, 2048, 16), (3000, 64, 4)])
-def test_linear_loss_chunks_at_a_symbolic_length_follow_its_size_class(tokens, h, parts):
+@pytest.mark.parametrize(("tokens", "h", "rows", "parts"), [
+    (7, 2048, None, 1), (4096, 2048, None, 1), (4097, 2048, None, 4), (16384, 2048, None, 4), (20000, 2048, None, 16),
+    (70000, 2048, None, 16), (3000, 64, None, 1), (3000, 2048, 1024, 4), (9000, 2048, 1000, 17),
+    (70000, 2048, 2048, 32)])
+def test_linear_loss_chunks_at_a_symbolic_length_follow_its_size_class(tokens, h, rows, parts):
     """The linear loss's chunk loop at a symbolic T (Llama 3's vocabulary): as many equal parts as a concrete T at
-    the top of T's size class makes, decided by a guard on the class alone (T against a constant), so one graph
-    serves every length of the class; the parts cover T, none empty."""
+    the top of T's size class makes (with the default chunk size or the caller's ``rows``), decided by a guard on
+    the class alone (T against a constant), so one graph serves every length of the class; the parts cover T, none
+    empty."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -361,11 +364,11 @@ def test_linear_loss_chunks_at_a_symbolic_length_follow_its_size_class(tokens, h
     env = ShapeEnv()
     t = env.create_symintnode(env.create_symbol(tokens, ConstantSource("t"), dynamic_dim=DimDynamic.DYNAMIC),
                               hint=tokens)
-    bounds = _chunked.chunk_bounds(t, h, 128256)
+    bounds = _chunked.chunk_bounds(t, h, 128256, rows)
     assert len(bounds) == parts
     top = next((c * _chunked.MIN_CHUNK for c in _chunked.TRACED_CLASSES if tokens <= c * _chunked.MIN_CHUNK), None)
     if top is not None:
-        assert parts == len(_chunked.chunk_bounds(top, h, 128256))
+        assert parts == len(_chunked.chunk_bounds(top, h, 128256, rows))
     hint = [int(v.node.hint) if isinstance(v, torch.SymInt) else v for bound in bounds for v in bound]
     assert hint[0] == 0 and hint[-1] == tokens and hint == sorted(hint)
     assert all(hint[i] == hint[i + 1] for i in range(1, len(hint) - 1, 2)), hint  # adjacent parts

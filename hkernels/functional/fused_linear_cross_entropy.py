@@ -61,6 +61,7 @@ def fused_linear_cross_entropy(
     return_predicted_tokens: bool = False,
     return_entropy: bool = False,
     ce_weight: Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor | CrossEntropyOutput:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the [T, V] logits.
 
@@ -74,16 +75,20 @@ def fused_linear_cross_entropy(
     it behaves as ``cross_entropy(linear(hidden, weight, bias), target)`` does: the matmuls in autocast's dtype, a
     float32 loss, the gradients in the parameters' own dtypes. ``softcap``, ``lse_square_scale`` and the
     ``return_*`` metrics as :func:`hkernels.cross_entropy` has them, computed in the same chunk loop;
-    ``ce_weight`` [V] its class ``weight`` (Liger's name: ``weight`` here is the head's).
+    ``ce_weight`` [V] its class ``weight`` (Liger's name: ``weight`` here is the head's). ``chunk_size``: tokens
+    per chunk (default :func:`hkernels.runtime.chunked.chunk_rows`, at least 4096): smaller chunks hold fewer
+    logits (C·V elements) but read and write the weight's gradient once per chunk (4·V·H bytes each).
     """
     if isinstance(ce_weight, Tensor) and ce_weight.is_floating_point():  # (no gradient, as in PyTorch)
         ce_weight = ce_weight.detach().float()
     return _CALLS(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), ce_weight)
+                  (return_z_loss, return_token_accuracy, return_predicted_tokens, return_entropy), ce_weight,
+                  chunk_size)
 
 
 def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, reduction: Any,
-           label_smoothing: Any, lse_square_scale: Any, softcap: Any, returns: Any, ce_weight: Any) -> None:
+           label_smoothing: Any, lse_square_scale: Any, softcap: Any, returns: Any, ce_weight: Any,
+           chunk_size: Any) -> None:
     check_tensor(OP, "hidden", hidden, (2,))
     check_tensor(OP, "weight", weight, (2,))
     T, H = hidden.shape
@@ -102,11 +107,14 @@ def _check(hidden: Any, weight: Any, target: Any, bias: Any, ignore_index: Any, 
     check_loss_args(OP, target, T, hidden.device, ignore_index, reduction, label_smoothing)
     check_loss_options(OP, lse_square_scale, softcap, returns)
     check_class_weight(OP, ce_weight, weight.shape[0], hidden.device)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"hkernels.fused_linear_cross_entropy: chunk_size must be a positive int (tokens per "
+                         f"chunk) or None, got {chunk_size!r}")
 
 
 def _values(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
             label_smoothing: float, lse_square_scale: float, softcap: float | None, returns: tuple[bool, ...],
-            ce_weight: Tensor | None) -> None:
+            ce_weight: Tensor | None, chunk_size: int | None) -> None:
     check_range(OP, "target", target, 0, weight.shape[0], ignore_index)
 
 
@@ -118,13 +126,15 @@ def routed(arguments: dict[str, Any]) -> tuple[Tensor, ...]:
 
 def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
           reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
-          returns: tuple[bool, bool, bool, bool], ce_weight: Tensor | None) -> Tensor | CrossEntropyOutput:
+          returns: tuple[bool, bool, bool, bool], ce_weight: Tensor | None, chunk_size: int | None
+          ) -> Tensor | CrossEntropyOutput:
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     target = target.to(torch.int64)
     loss, _, _, _, z, pred, ent = call(_fwd, hidden, weight, target, bias, ignore_index, float(label_smoothing),
                                        reduction, wants_grad and reduction != "none", float(softcap or 0.0),
-                                       float(lse_square_scale), returns[0], any(returns[1:]), ce_weight, request)
+                                       float(lse_square_scale), returns[0], any(returns[1:]), ce_weight,
+                                       chunk_size or 0, request)
     return loss_output(loss, z, pred, ent, target, ignore_index, reduction, returns)
 
 
@@ -134,14 +144,14 @@ def _body(request: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Te
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
          label_smoothing: float, reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool,
-         want_stats: bool, ce_weight: Tensor | None, backend: str
+         want_stats: bool, ce_weight: Tensor | None, chunk_size: int, backend: str
          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     count, scale = loss_scale(target, ignore_index, reduction, ce_weight)
     z = hidden.new_zeros(hidden.shape[0], dtype=torch.float32) if want_z else None
     stats = stats_like(hidden) if want_stats else None
     loss, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target,
                                     bias, scale, ignore_index, label_smoothing, fused_grad, softcap, z_scale,
-                                    z if z_scale else None, stats, ce_weight)
+                                    z if z_scale else None, stats, ce_weight, chunk_size or None)
     dtype = compute_dtype(hidden.dtype)
     z_loss = reduce(z, count, reduction, dtype) if z is not None else placeholder(hidden)
     pred, ent = stats if stats is not None else (placeholder(target), placeholder(hidden))
@@ -152,7 +162,8 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ig
 @_fwd.register_fake
 def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int, label_smoothing: float,
       reduction: str, fused_grad: bool, softcap: float, z_scale: float, want_z: bool, want_stats: bool,
-      ce_weight: Tensor | None, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+      ce_weight: Tensor | None, chunk_size: int, backend: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = (
         (torch.empty_like(hidden), torch.empty_like(weight),
          torch.empty_like(bias) if bias is not None else placeholder(hidden))
@@ -166,27 +177,27 @@ def _(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignor
 
 @torch.library.custom_op("hkernels::fused_linear_cross_entropy_grad", mutates_args=())
 def _grad(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-          label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, backend: str
-          ) -> tuple[Tensor, Tensor, Tensor]:
+          label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, chunk_size: int,
+          backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # reduction="none": recompute each chunk's logits in the backward, with the gradient scaled per token.
     _, dh, dw, db = dispatch.run(OP, "fused_linear_cross_entropy_fwd", backend, rows(hidden), weight, target, bias,
                                  dloss.float(), ignore_index, label_smoothing, True, softcap, z_scale, None, None,
-                                 ce_weight)
+                                 ce_weight, chunk_size or None)
     return dh, dw, db if db is not None else placeholder(hidden)
 
 
 @_grad.register_fake
 def _(dloss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
-      label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, backend: str
-      ) -> tuple[Tensor, Tensor, Tensor]:
+      label_smoothing: float, softcap: float, z_scale: float, ce_weight: Tensor | None, chunk_size: int,
+      backend: str) -> tuple[Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else placeholder(hidden))
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     (hidden, weight, target, bias, ignore_index, label_smoothing, _reduction, fused_grad, softcap, z_scale, _want_z,
-     _want_stats, ce_weight, backend) = inputs
-    ctx.fused, ctx.backend, ctx.has_bias = fused_grad, backend, bias is not None
+     _want_stats, ce_weight, chunk_size, backend) = inputs
+    ctx.fused, ctx.backend, ctx.has_bias, ctx.chunk_size = fused_grad, backend, bias is not None, chunk_size
     ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.z_scale = ignore_index, label_smoothing, softcap, z_scale
     ctx.save_for_backward(*(output[1:4] if fused_grad else (hidden, weight, target, bias, ce_weight)))
     ctx.mark_non_differentiable(*output[1:])  # (the z term is inside the loss: no gradient of its own)
@@ -195,7 +206,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> Non
 
 def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dloss is None:
-        return (None,) * 14
+        return (None,) * 15
     if ctx.fused:
         dh, dw, db = ctx.saved_tensors
         for g in (dh, dw, db) if ctx.has_bias else (dh, dw):
@@ -204,8 +215,8 @@ def _backward(ctx: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[
         hidden, weight, target, bias, ce_weight = ctx.saved_tensors
         dloss = dloss.expand(target.shape) if dloss.dim() == 0 else dloss
         dh, dw, db = call(_grad, dloss, hidden, weight, target, bias, ctx.ignore_index, ctx.label_smoothing,
-                          ctx.softcap, ctx.z_scale, ce_weight, ctx.backend)
-    return dh, dw, None, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None, None
+                          ctx.softcap, ctx.z_scale, ce_weight, ctx.chunk_size, ctx.backend)
+    return dh, dw, None, (db if ctx.has_bias else None), *(None,) * 11
 
 
 autograd(_fwd, _backward, _setup)
@@ -224,13 +235,15 @@ def reference(
     label_smoothing: float = 0.0,
     *,
     ce_weight: Tensor | None = None,
+    chunk_size: int | None = None,
     **options: Any,
 ) -> Tensor | CrossEntropyOutput:
     """cross_entropy(hidden @ weight.T + bias, target): hidden [T, H], weight [V, H], bias [V]. The logits are
     rounded to hidden's dtype (they come from a matmul in it); the loss is float32 (float64 for float64 input),
     as in Hugging Face's and Liger's losses: no logits are returned whose dtype the loss should follow. The loss
     options (``softcap``, ``lse_square_scale``, the ``return_*`` flags) as
-    :func:`hkernels.functional.cross_entropy.reference` takes them; ``ce_weight`` is its class ``weight``."""
+    :func:`hkernels.functional.cross_entropy.reference` takes them; ``ce_weight`` is its class ``weight``;
+    ``chunk_size`` changes no math (the whole [T, V] at once here)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return cross_entropy_reference(logits.to(compute_dtype(logits.dtype)), target, ignore_index, reduction,
                                    label_smoothing, weight=ce_weight, **options)
