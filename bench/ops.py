@@ -649,6 +649,13 @@ OPS: dict[str, OpBench] = {
         dim="hidden", flops_fn=_flce_flops, tokens=(8192,),
         peers=_liger_ce_options(linear=True),
     ),
+    "fused_linear_cross_entropy_softcap_z_chunk256": _bench(
+        "fused_linear_cross_entropy_softcap_z_chunk256",
+        eager=lambda h, w, t: _eager_ce_options(F.linear(h, w), t),
+        ref=lambda h, w, t: references.fused_linear_cross_entropy(h, w, t, **cases.LOSS_OPTIONS),
+        dim="hidden", flops_fn=_flce_flops, tokens=(8192,),
+        peers=_liger_ce_options(linear=True),
+    ),
     "matmul": _bench(
         "matmul",
         eager=torch.matmul,  # cuBLAS

@@ -213,7 +213,8 @@ OP_OF = {"attention_causal": "attention", "attention_d64": "attention", "attenti
          "matmul_gelu": "matmul", "grouped_matmul_e128": "grouped_matmul", "moe_zipf": "moe", "moe_mixtral": "moe",
          "rms_norm_gemma": "rms_norm", "add_rms_norm_gemma": "add_rms_norm", "rope_mrope": "rope",
          "cross_entropy_softcap_z": "cross_entropy",
-         "fused_linear_cross_entropy_softcap_z": "fused_linear_cross_entropy"}
+         "fused_linear_cross_entropy_softcap_z": "fused_linear_cross_entropy",
+         "fused_linear_cross_entropy_softcap_z_chunk256": "fused_linear_cross_entropy"}
 # The loss options of the *_softcap_z cases: Gemma 2's final logit softcap and a z-loss.
 LOSS_OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
 # Variants the dispatcher routes by buckets of their own, "<op>:<name>_fwd" and "<op>:<name>_bwd" (attention's
@@ -247,6 +248,9 @@ OPS: dict[str, OpInputs] = {
                  lambda x, t: hkernels.cross_entropy(x, t, **LOSS_OPTIONS)),
         OpInputs("fused_linear_cross_entropy_softcap_z", _linear_ce, (0, 1),
                  lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t, **LOSS_OPTIONS)),
+        # the same in Liger's memory: its chunks at 8192 × 4096 × 128256 are 256 tokens
+        OpInputs("fused_linear_cross_entropy_softcap_z_chunk256", _linear_ce, (0, 1),
+                 lambda h, w, t: hkernels.fused_linear_cross_entropy(h, w, t, **LOSS_OPTIONS, chunk_size=256)),
         OpInputs("matmul", _matmul(False), (0, 1), hkernels.matmul),
         # bias + tanh-gelu in the matmul's epilogue
         OpInputs("matmul_gelu", _matmul(True), (0, 1, 2), lambda a, b, bias: hkernels.matmul(a, b, bias, "gelu_tanh")),
