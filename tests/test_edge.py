@@ -357,6 +357,85 @@ def test_long_rows_kept_in_l2_give_the_same_loss_and_gradients(backend, linear, 
         torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-3 * float(ref.abs().max()))
 
 
+_COMPILE_FOR_HOPPER = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_fallback.cross_entropy as ce
+
+names = ["logits_ptr", "target_ptr", "scale_ptr", "loss_ptr", "grad_ptr", "z_ptr", "pred_ptr", "ent_ptr", "w_ptr",
+         "T", "V", "stride_logits", "stride_scale", "stride_grad", "ignore_index", "smoothing", "softcap", "z_scale"]
+kinds = ["*bf16", "*i64", "*fp32", "*fp32", "*bf16", "*fp32", "*i64", "*fp32", "*fp32"] + ["i32"] * 2 + ["i64"] * 4 \\
+    + ["fp32"] * 3
+for fast in (True, False):
+    constants = dict(HAS_GRAD=True, BLOCK_V=1024, NUM_STAGES=1, XT_BARRIER=True, SOFTCAP=True, Z_LOSS=False,
+                     STATS=False, WEIGHTED=False, SMOOTH=False, KEEP_IN_L2=False, FAST_TANH=fast)
+    signature = dict(zip(names, kinds)) | dict.fromkeys(constants, "constexpr")
+    kernel = triton.compile(ASTSource(ce._cross_entropy_fwd_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    print(*(len(re.findall(p, ptx)) for p in (r"tanh[.]approx[.]f32", r"\\bdiv[.]", r"\\bex2[.]")))
+"""
+
+
+
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+def test_capped_loss_with_the_gpus_tanh(backend, device, monkeypatch):
+    """16-bit logits under a cap take the GPU's tanh instruction (relative error 2^-11): the loss and the gradient
+    against float64 as close as the exact form's, and not the exact form's bits (the switch took effect)."""
+    import hkernels.ops.cross_entropy as helion_ce
+    import triton_fallback.cross_entropy as triton_ce
+    from hkernels import dispatch
+
+    if device.type != "cuda":
+        pytest.skip("the GPU's tanh instruction: no interpreter runs it")
+    g = torch.Generator().manual_seed(12)
+    logits = (torch.randn(64, 32000, generator=g) * 12).to(device, torch.bfloat16)  # x / c over ±4
+    target = torch.randint(0, 32000, (64,), generator=g).to(device)
+    options = {"softcap": 10.0, "lse_square_scale": 1e-3}
+    results = []
+    for dtypes in ((torch.bfloat16, torch.float16), ()):  # the instruction, then the exact form
+        monkeypatch.setattr(helion_ce, "FAST_TANH_DTYPES", dtypes)
+        monkeypatch.setattr(triton_ce, "FAST_TANH_DTYPES", dtypes)
+        dispatch.forget()
+        x = logits.clone().requires_grad_()
+        with hkernels.use_backend(backend):
+            loss = hkernels.cross_entropy(x, target, **options)
+            results.append((loss.detach().double(), torch.autograd.grad(loss, x)[0].double()))
+    ref = logits.double().requires_grad_()
+    want = references.cross_entropy(ref, target, **options)
+    (want_grad,) = torch.autograd.grad(want, ref)
+    (_, fast_grad), (_, exact_grad) = results
+    assert not torch.equal(fast_grad, exact_grad)
+    for loss, grad in results:
+        torch.testing.assert_close(loss, want.detach(), rtol=2e-3, atol=1e-3)
+        torch.testing.assert_close(grad, want_grad, rtol=2e-2, atol=2e-3 * float(want_grad.abs().max()))
+    assert (fast_grad - want_grad).abs().max() <= 2 * (exact_grad - want_grad).abs().max() + 1e-6
+
+
+def test_capped_loss_kernel_compiles_for_hopper_with_the_tanh_instruction():
+    """The Triton kernel for 16-bit capped logits, compiled for sm90 down to the cubin (Triton's ptxas; no GPU
+    needed), in a process outside interpret mode: the tanh instruction for each logit of both passes (and x[t]),
+    against the exact form's division and second exp2."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HKERNELS_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("no ptxas here")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (fast_tanh, fast_div, fast_ex2), (exact_tanh, exact_div, exact_ex2) = (
+        [int(n) for n in line.split()] for line in done.stdout.strip().splitlines())
+    assert fast_tanh >= 3 and exact_tanh == 0, done.stdout
+    # per logit: no division (the scalars' few remain) and one exp2 where the exact form takes two
+    assert fast_div < exact_div and 1.5 * fast_ex2 < exact_ex2, done.stdout
+
+
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 def test_long_rows_kept_in_l2_in_place(backend, device, monkeypatch):
     """The kernel as the linear loss runs it, the gradient written over the logits it reads, on rows of 16384

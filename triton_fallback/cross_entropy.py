@@ -38,6 +38,22 @@ def _tanh(x):
 
 
 @triton.jit
+def _tanh_approx(x):
+    # The GPU's tanh instruction: one special-function op where the form above takes two and a dozen float32 ops
+    # (which make the capped loss compute-bound); relative error 2^-11, under a 16-bit logit's own rounding.
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _capped(x, FAST: tl.constexpr):
+    if FAST:
+        return _tanh_approx(x)
+    else:
+        return _tanh(x)
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,  # [T, V], unit column stride
     target_ptr,  # [T] int64
@@ -51,7 +67,7 @@ def _cross_entropy_fwd_kernel(
     T, V, stride_logits, stride_scale, stride_grad, ignore_index, smoothing, softcap, z_scale,
     HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, XT_BARRIER: tl.constexpr,
     SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, STATS: tl.constexpr, WEIGHTED: tl.constexpr,
-    SMOOTH: tl.constexpr, KEEP_IN_L2: tl.constexpr,
+    SMOOTH: tl.constexpr, KEEP_IN_L2: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     # With SOFTCAP each logit x is read as y = c·tanh(x / c) and the gradient leaves through dy/dx = 1 − tanh²;
     # with Z_LOSS the row's loss gains λ·lse² and its gradient λ·2·lse·softmax; with STATS pass 1 also keeps the
@@ -84,7 +100,7 @@ def _cross_entropy_fwd_kernel(
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf"),
                         eviction_policy="evict_last" if KEEP_IN_L2 else "").to(tl.float32)
             if SOFTCAP:
-                x = tl.where(cols < V, softcap * _tanh(x * inv_cap), -float("inf"))
+                x = tl.where(cols < V, softcap * _capped(x * inv_cap, FAST_TANH), -float("inf"))
             block_max = tl.max(x, axis=0)
             new_max = tl.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
@@ -116,7 +132,7 @@ def _cross_entropy_fwd_kernel(
         else:  # one load; with a gradient, a barrier below orders it before any warp's pass-2 store
             x_t = tl.load(x_row + t, mask=valid & in_range, other=0.0).to(tl.float32)
             if SOFTCAP:
-                x_t = softcap * _tanh(x_t * inv_cap)
+                x_t = softcap * _capped(x_t * inv_cap, FAST_TANH)
         # Without smoothing the Σx term is left out, not multiplied by 0 (0·(-inf) = NaN for a -inf logit)
         # Differences before scaling, as PyTorch's: lse − x_t cancels exactly where it should (one logit: 0)
         if WEIGHTED:
@@ -151,7 +167,7 @@ def _cross_entropy_fwd_kernel(
                 x = tl.load(x_row + cols, mask=cols < V, other=0.0,
                             eviction_policy="evict_first" if KEEP_IN_L2 else "").to(tl.float32)
                 if SOFTCAP:
-                    th = _tanh(x * inv_cap)
+                    th = _capped(x * inv_cap, FAST_TANH)
                     x = softcap * th
                 p = tl.math.exp2((x - lse) * LOG2E)
                 if WEIGHTED:
@@ -201,6 +217,9 @@ def _settings(v: int) -> tuple[int, int, int, int]:
     return block, max(4, min(8, block // 1024)), 2, 2
 
 
+# Logit dtypes whose cap takes the GPU's tanh instruction (_tanh_approx): its error is under their rounding.
+FAST_TANH_DTYPES = (torch.bfloat16, torch.float16)
+
 # How the forward with a gradient reads x[target] safely when the gradient overwrites the logits: "barrier" (one
 # load, then a CTA barrier before pass 2) or "reduce" (picked out inside pass 1's reductions, a fourth reduction per
 # block). Both pass the in-place race test; "barrier" is the faster (see bench/results/h200/README.md).
@@ -243,6 +262,7 @@ def cross_entropy_fwd(
         HAS_GRAD=grad is not None, BLOCK_V=block, NUM_STAGES=stages, XT_BARRIER=GRAD_XT == "barrier",
         SOFTCAP=softcap > 0.0, Z_LOSS=zloss, STATS=stats is not None, WEIGHTED=weight is not None,
         SMOOTH=label_smoothing != 0.0, KEEP_IN_L2=grad is not None and V >= KEEP_IN_L2_FROM,
+        FAST_TANH=softcap > 0.0 and logits.dtype in FAST_TANH_DTYPES and not interpreting(),
         num_warps=warps,
     )
     return loss

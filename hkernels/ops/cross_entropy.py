@@ -24,6 +24,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
+from hkernels.runtime.interpret import interpreting
 from hkernels.runtime.launch import same_memory
 
 Tensor = torch.Tensor
@@ -33,6 +34,8 @@ LOG2E = 1.4426950408889634
 # rows of this many logits or more keep their logits in L2 between the forward's two passes (eviction hints; the
 # measurement is in triton_fallback/cross_entropy.py's KEEP_IN_L2_FROM)
 KEEP_IN_L2_FROM = 16384
+# logit dtypes whose cap takes the GPU's tanh instruction (_tanh_approx): its error is under their rounding
+FAST_TANH_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @helion.kernel(static_shapes=False)
@@ -59,6 +62,7 @@ def _cross_entropy_fwd(
     stats: hl.constexpr,
     weighted: hl.constexpr,
     keep: hl.constexpr,
+    fast_tanh: hl.constexpr,
 ) -> Tensor:
     # logits [T, V], flat: the same storage as one run of (T − 1)·row_stride + V elements (for the load of
     # x[target]), target [T] int64, scale [T] float32 -> loss [T] float32; writes grad [T, V] when given. smooth:
@@ -74,6 +78,7 @@ def _cross_entropy_fwd(
     # stats: pass 1 also keeps the first index of the running max and Σ exp(x − max)·x, for each row's predicted
     # class (pred, −1 where ignored) and its softmax's entropy lse − Σ p·x (ent, 0 where ignored); weighted (class
     # weights w [V] float32, F.cross_entropy's): the target's term scaled by w_t, the smoothing term by each w_j.
+    # fast_tanh (16-bit logits on a GPU): the cap's tanh by the GPU's instruction (_tanh_approx).
     t_rows, v = logits.size()
     v = hl.specialize(v)
     loss = torch.empty([t_rows], dtype=torch.float32, device=logits.device)
@@ -92,13 +97,19 @@ def _cross_entropy_fwd(
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
             if capped:
-                x_t = softcap * _tanh(x_t * inv_cap)
+                if fast_tanh:  # noqa: SIM108 (an if on a constexpr, which Helion resolves as it traces)
+                    x_t = softcap * _tanh_approx(x_t * inv_cap)
+                else:
+                    x_t = softcap * _tanh(x_t * inv_cap)
         for tile_v in hl.tile(v):
             # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
             # keep (with a gradient, long rows): pass 1's reads stay in L2 for pass 2's, which evicts them
             x = hl.load(logits, [tile_t, tile_v], eviction_policy="evict_last" if keep else None).to(torch.float32)
             if capped:
-                x = softcap * _tanh(x * inv_cap)
+                if fast_tanh:  # noqa: SIM108
+                    x = softcap * _tanh_approx(x * inv_cap)
+                else:
+                    x = softcap * _tanh(x * inv_cap)
             block_max = torch.amax(x, dim=-1)
             new_max = torch.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
@@ -149,7 +160,10 @@ def _cross_entropy_fwd(
                             ).to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
                 if capped:
-                    th = _tanh(x * inv_cap)
+                    if fast_tanh:  # noqa: SIM108
+                        th = _tanh_approx(x * inv_cap)
+                    else:
+                        th = _tanh(x * inv_cap)
                     x = softcap * th
                 p = torch.exp2((x - lse[:, None]) * LOG2E)
                 if weighted:  # p's factor (1−ε)·w_t + ε·Σw/V, and the z term's 2λ·lse (not weighted)
@@ -177,6 +191,13 @@ def _tanh(x: Tensor) -> Tensor:
     x2 = x * x
     series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
     return torch.where(torch.abs(x) < 0.2, series, 1.0 - 2.0 / (torch.exp2(x * (2.0 * LOG2E)) + 1.0))
+
+
+def _tanh_approx(x: Tensor) -> Tensor:
+    """The GPU's tanh instruction: one special-function op where :func:`_tanh` takes two and a dozen float32 ops
+    (which make the capped loss compute-bound); relative error 2^-11, under a 16-bit logit's own rounding."""
+    return hl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=torch.float32, is_pure=True,
+                                     pack=1)
 
 
 @helion.kernel(static_shapes=False)
@@ -228,7 +249,8 @@ def cross_entropy_fwd(
             int(ignore_index), float(label_smoothing), float(softcap), 1.0 / softcap if softcap > 0.0 else 0.0,
             float(z_scale), label_smoothing != 0.0, xt_load,
             softcap > 0.0, zloss, stats is not None, weight is not None,
-            grad is not None and int(V) >= KEEP_IN_L2_FROM)  # (V: a constant of the kernel, symbolic or not)
+            grad is not None and int(V) >= KEEP_IN_L2_FROM,  # (V: a constant of the kernel, symbolic or not)
+            softcap > 0.0 and logits.dtype in FAST_TANH_DTYPES and not interpreting())
     return _helion.run(_cross_entropy_fwd, args, V, logits.device)
 
 
