@@ -239,11 +239,17 @@ def _d_unit(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _run_rotation(fn: str, x: Tensor, y: Tensor, backend: str, *tables: Any) -> tuple[Tensor, Tensor]:
+    """The body of each rotation op (rope's and mRoPE's, forward and backward): backend ``fn`` on x and y (unit
+    stride along D) and the tables; an empty x or y leaves nothing for a kernel (the torch backend takes it)."""
+    if x.numel() == 0 or y.numel() == 0:
+        return dispatch.run(OP, fn, "torch", x, y, *tables)
+    return dispatch.run(OP, fn, backend, _d_unit(x), _d_unit(y), *tables)
+
+
 @torch.library.custom_op("hkernels::rope_fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    if q.numel() == 0 or k.numel() == 0:  # nothing for a kernel to do (the other tensor is tiny then too)
-        return dispatch.run(OP, "rope_fwd", "torch", q, k, cos, sin)
-    return dispatch.run(OP, "rope_fwd", backend, _d_unit(q), _d_unit(k), cos, sin)
+    return _run_rotation("rope_fwd", q, k, backend, cos, sin)
 
 
 @_fwd.register_fake
@@ -253,9 +259,7 @@ def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Ten
 
 @torch.library.custom_op("hkernels::rope_bwd", mutates_args=())
 def _bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dispatch.run(OP, "rope_bwd", "torch", dq, dk, cos, sin)
-    return dispatch.run(OP, "rope_bwd", backend, _d_unit(dq), _d_unit(dk), cos, sin)
+    return _run_rotation("rope_bwd", dq, dk, backend, cos, sin)
 
 
 @_bwd.register_fake
@@ -304,9 +308,7 @@ autograd(_fwd, _backward, _setup)
 @torch.library.custom_op("hkernels::rope_mrope_fwd", mutates_args=())
 def _fwd_m(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
            ) -> tuple[Tensor, Tensor]:
-    if q.numel() == 0 or k.numel() == 0:
-        return dispatch.run(OP, "rope_mrope_fwd", "torch", q, k, cos, sin, split_a, split_b)
-    return dispatch.run(OP, "rope_mrope_fwd", backend, _d_unit(q), _d_unit(k), cos, sin, split_a, split_b)
+    return _run_rotation("rope_mrope_fwd", q, k, backend, cos, sin, split_a, split_b)
 
 
 @_fwd_m.register_fake
@@ -318,9 +320,7 @@ def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int
 @torch.library.custom_op("hkernels::rope_mrope_bwd", mutates_args=())
 def _bwd_m(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, split_a: int, split_b: int, backend: str
            ) -> tuple[Tensor, Tensor]:
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dispatch.run(OP, "rope_mrope_bwd", "torch", dq, dk, cos, sin, split_a, split_b)
-    return dispatch.run(OP, "rope_mrope_bwd", backend, _d_unit(dq), _d_unit(dk), cos, sin, split_a, split_b)
+    return _run_rotation("rope_mrope_bwd", dq, dk, backend, cos, sin, split_a, split_b)
 
 
 @_bwd_m.register_fake
