@@ -233,8 +233,9 @@ def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
 
 def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iterator[Family]:
     """Helion's grouped GEMM (the moe layers' projections) at one shape, tokens spread evenly over the experts:
-    the forward's tiles, TMA on the weight (with host descriptors, without which Helion drops the K loop's
-    pipelining) and the weight gradient's tile order; "nbytes" is the flops here."""
+    the forward's column and K tiles (its row tiles are the tile map's, a bucket setting), TMA on the weight (with
+    host descriptors, without which Helion drops the K loop's pipelining) and the weight gradient's tile order;
+    "nbytes" is the flops here."""
     import hkernels.ops.grouped_matmul as h_gm
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -242,11 +243,12 @@ def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iter
     w = torch.randn(experts, n, k, generator=g, device=device, dtype=torch.bfloat16) / k**0.5
     sizes = torch.full((experts,), t // experts, device=device, dtype=torch.int32)
     dy = torch.randn(t, n, generator=g, device=device, dtype=torch.bfloat16)
-    tma = {"indexing": ["pointer"] * 3 + ["tensor_descriptor"] + ["pointer"] * 3, "host_tensor_descriptors": True}
+    # (the forward's loads and store in order: the tile map's three, x, the weight; y)
+    tma = {"indexing": ["pointer"] * 4 + ["tensor_descriptor", "pointer"], "host_tensor_descriptors": True}
     fwd: list[Candidate] = [
-        {"block_sizes": [bm, bn, 64, 64], "num_warps": 8, "range_num_stages": [0, 0, st, 0], "loop_orders": [[1, 0]],
+        {"block_sizes": [bn, bk], "num_warps": 8, "range_num_stages": [0, 0, 0, st], "l2_groupings": [8],
          **(tma if desc else {})}
-        for (bm, bn), st, desc in itertools.product(((128, 128), (128, 256), (256, 128)), (3, 4), (False, True))
+        for (bn, bk), st, desc in itertools.product(((64, 64), (128, 64), (128, 32), (256, 64)), (3, 4), (False, True))
     ]
     yield (f"helion grouped_matmul fwd {t}x{n}x{k}", lambda: h_gm.grouped_matmul_fwd(x, w, sizes),
            -int(2 * t * n * k), fwd, _helion_override("_grouped_matmul_fwd"))

@@ -119,6 +119,41 @@ def test_moe_frozen_experts_skip_the_weight_gradients(backend, device, monkeypat
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("sizes, rows, block", [
+    ([5, 0, 17, 3], 30, 4),  # an empty group, a tail of 5 rows past the groups
+    ([0, 0], 7, 4),  # no routed row: every row in the tail
+    ([8, 8], 16, 8),  # whole tiles only
+    ([1], 1, 16),  # one row
+    ([100, 3], 50, 16),  # sizes past the rows: clamped, the second group empty
+    ([16] * 9 + [1], 145, 16),  # every group ending one row into a tile: the bound's most tiles
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
+def test_tile_map_cuts_every_group_into_tiles_inside_it(sizes, rows, block, device):
+    """The grouped kernels' row tiles (routing.tile_map): every row of every group, the tail included, in exactly
+    one tile; a tile at most ``block`` rows, all of one group and starting where the group's tiles are due (its
+    first row, then every ``block``); the group's tiles in order; the entries past them empty."""
+    from hkernels.runtime.routing import group_ends, tile_map
+
+    ends = group_ends(torch.tensor(sizes, device=device), rows)
+    group, first, end = (t.cpu() for t in tile_map(ends, block, rows))
+    ends = ends.cpu()
+    assert group.dtype == first.dtype == end.dtype == torch.int32
+    assert group.shape == first.shape == end.shape == (rows // block + len(ends),)
+    covered = torch.zeros(rows, dtype=torch.int64)
+    tiles = []
+    for g, a, b in zip(group.tolist(), first.tolist(), end.tolist(), strict=True):
+        if a == b:
+            continue
+        start = ends[g - 1].item() if g else 0
+        assert start <= a < b <= ends[g].item() and b - a <= block and (a - start) % block == 0, (g, a, b)
+        assert b - a == block or b == ends[g].item(), (g, a, b)
+        covered[a:b] += 1
+        tiles.append((g, a))
+    assert tiles == sorted(tiles) and tiles == [(g, a) for g, a, b in zip(group.tolist(), first.tolist(),
+                                                                           end.tolist(), strict=True) if a < b]
+    assert (covered == 1).all(), covered
+    assert (first[len(tiles):] == 0).all() and (end[len(tiles):] == 0).all()
+
+
 @pytest.mark.parametrize("backend", ["helion", "triton"])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 8), (5, 2), (64, 8), (128, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_moe_routing_kernels_match_the_torch_routing(backend, shape, device):

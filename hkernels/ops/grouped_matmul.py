@@ -1,9 +1,11 @@
 """Grouped matmul (the experts of a mixture of experts) in Helion: the twin of ``triton_fallback/grouped_matmul.py``,
 whose docstring gives the math and the clamped group bounds.
 
-A program takes one group and one column tile, and walks the group's row tiles: the group bounds are loaded on
-the device (no host sync), and Helion masks the rows past a group's end. The last group's programs also write
-zeros over the tail (rows past the sizes' sum, normally none).
+A flat grid of (row tile, column tile) programs: the row tiles come from a map built on the device
+(``hkernels/runtime/routing.py``'s tile_map: each tile's group and rows, no host sync), each inside one group, so
+every program does one tile's product and the L2 grouping of the grid's order reads an expert's weight tile once
+per band of row tiles (as the Triton twin's persistent programs do). The zero tail (rows past the sizes' sum,
+normally none) is a group past the last expert, whose tiles are written with zeros.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import helion.language as hl
 import torch
 
 from hkernels.ops import _helion
-from hkernels.runtime.routing import bounds, group_ends
+from hkernels.runtime.routing import bounds, group_ends, tile_map
 
 Tensor = torch.Tensor
 
@@ -22,25 +24,29 @@ SYMBOLIC = frozenset({"grouped_matmul_fwd", "grouped_matmul_bwd"})
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
-def _grouped_matmul_fwd(x: Tensor, weight: Tensor, starts: Tensor, ends: Tensor, tails: Tensor, y: Tensor) -> None:
-    # x [T, K]; weight [E, N, K] (any strides); starts, ends, tails [E] int32: group e's rows, and after the last
-    # group the rows past the sizes' sum (0 for the others); y [T, N] out.
-    # A program: group e, a column tile; reads the group's rows of x and weight[e]'s tile once per row tile, and
-    # the last group's programs write the tail's zeros.
+def _grouped_matmul_fwd(x: Tensor, weight: Tensor, tile_group: Tensor, tile_row: Tensor, tile_end: Tensor, y: Tensor,
+                        block_m: int) -> None:
+    # x [T, K]; weight [E, N, K] (any strides); tile_group, tile_row, tile_end [R] int32: each row tile's group (E:
+    # the zero tail) and rows (tile_map with tiles of block_m rows); y [T, N] out.
+    # A program: one row tile, one column tile; reads the tile's rows of x and weight[e]'s column tile once.
+    block_m = hl.specialize(block_m)
     k = x.size(1)
     groups, n, _ = weight.size()
-    for tile_e, tile_n in hl.tile([groups, n], block_size=[1, None]):
-        e = tile_e.begin
-        start = starts[e]
-        end = ends[e]
-        for tile_m in hl.tile(end - start):
-            rows = start + tile_m.index
-            acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            for tile_k in hl.tile(k):
-                acc = torch.addmm(acc, x[rows, tile_k], weight[e, tile_n, tile_k].T)
-            y[rows, tile_n] = acc.to(y.dtype)
-        for tile_t in hl.tile(tails[e]):
-            y[end + tile_t.index, tile_n] = hl.zeros([tile_t, tile_n], dtype=y.dtype)
+    for tile_t, tile_n in hl.tile([tile_group.size(0), n], block_size=[1, None]):
+        t = tile_t.begin
+        g = tile_group[t]
+        start = tile_row[t]
+        for tile_m in hl.tile(tile_end[t] - start, block_size=block_m):  # one tile, or none past the map
+            # (the group as a one-step loop's index: Helion 1.5.0 indexes weight with a loaded scalar as a vector)
+            for tile_e in hl.tile(g, g + 1, block_size=1):
+                e = tile_e.begin
+                # (rows offset from the tile's start: Helion 1.5.0 reads a tile of a one-row tensor as a broadcast)
+                rows = start + tile_m.index
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                if e < groups:  # (the tail's tiles stay zero)
+                    for tile_k in hl.tile(k):
+                        acc = torch.addmm(acc, x[rows, tile_k], weight[e, tile_n, tile_k].T)
+                y[rows, tile_n] = acc.to(y.dtype)
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
@@ -59,9 +65,10 @@ def _grouped_matmul_dweight(dy: Tensor, x: Tensor, starts: Tensor, ends: Tensor,
         dw[g, tile_n, tile_k] = acc.to(dw.dtype)
 
 
-def _groups(group_sizes: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(starts, ends, tails) [E] int32 on the device (hkernels/runtime/routing.py's bounds)."""
-    return bounds(group_ends(group_sizes, T))
+def block_m(kernel: str, n: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Rows per tile of the tile map that ``kernel`` starts a call's kernels on: a host-side setting kept beside
+    its config (``"block_m"``); every kernel of the call takes the map's."""
+    return int(_helion._bucket(_helion.arch_of(device), kernel, int(n), dtype).get("block_m", 128))
 
 
 def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
@@ -74,8 +81,9 @@ def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    starts, ends, tails = _groups(group_sizes, T)
-    _helion.run(_grouped_matmul_fwd, (x, weight, starts, ends, tails, y), N, x.device)
+    bm = block_m(_grouped_matmul_fwd.name, N, x.device, x.dtype)
+    group, first, end = tile_map(group_ends(group_sizes, T), bm, T)  # (the tail past the groups is a group: zeros)
+    _helion.run(_grouped_matmul_fwd, (x, weight, group, first, end, y, bm), N, x.device)
     return y
 
 
@@ -89,6 +97,6 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     if need_weight:
         dw = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
         if dw.numel():
-            starts, ends, _ = _groups(group_sizes, T)
+            starts, ends, _ = bounds(group_ends(group_sizes, T))
             _helion.run(_grouped_matmul_dweight, (dy, x, starts, ends, dw), K, x.device)
     return dx, dw

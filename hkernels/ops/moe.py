@@ -1,10 +1,10 @@
 """The experts of a SwiGLU mixture-of-experts layer in Helion: the twin of ``triton_fallback/moe.py``, whose
 docstring gives the math, the sorted layout and what the backward keeps.
 
-A program takes one expert and one column tile and walks that expert's sorted rows (bounds loaded on the
-device, no host sync), as ``hkernels/ops/grouped_matmul.py`` does: the up projection gathers x's rows by token and
-writes silu(g)·u (and g, u for the backward); the down projection is the grouped matmul; the combine sums each
-token's k rows. Rows of out-of-range ids (past the last group) are never read.
+A program takes one row tile of the sorted rows (each inside one expert's, from a tile map built on the device,
+no host sync) and one column tile, as ``hkernels/ops/grouped_matmul.py`` does: the up projection gathers x's rows
+by token and writes silu(g)·u (and g, u for the backward); the down projection is the grouped matmul; the combine
+sums each token's k rows. Rows of out-of-range ids (past the last group) are never read.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hkernels.ops import _helion
-from hkernels.ops.grouped_matmul import _grouped_matmul_fwd
-from hkernels.runtime.routing import ROUTE_MAX, bounds, routing
+from hkernels.ops.grouped_matmul import _grouped_matmul_fwd, block_m
+from hkernels.runtime.routing import ROUTE_MAX, bounds, routing, tile_map
 
 Tensor = torch.Tensor
 
@@ -81,61 +81,68 @@ def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tens
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
-def _moe_up(x: Tensor, w: Tensor, src: Tensor, starts: Tensor, ends: Tensor, pre: Tensor, h: Tensor,
-            save: hl.constexpr) -> None:
-    # x [T, H]; w [E, 2I, H] gate_up; src [T·k] int32 tokens of the sorted rows; starts, ends [E] int32; pre
-    # [T·k, 2I] out where save; h [T·k, I] out. A program: expert e, a column tile of I; reads the group's
-    # gathered x rows and the tile's gate and up rows of w[e].
+def _moe_up(x: Tensor, w: Tensor, src: Tensor, tile_group: Tensor, tile_row: Tensor, tile_end: Tensor, pre: Tensor,
+            h: Tensor, block_m: int, save: hl.constexpr) -> None:
+    # x [T, H]; w [E, 2I, H] gate_up; src [T·k] int32 tokens of the sorted rows; tile_group, tile_row, tile_end [R]
+    # int32 the row tiles (grouped_matmul's tile map over the E groups); pre [T·k, 2I] out where save; h [T·k, I]
+    # out. A program: a row tile, a column tile of I; reads the tile's gathered x rows and the gate and up rows of
+    # w[e] once.
+    block_m = hl.specialize(block_m)
     hidden = x.size(1)
-    groups = w.size(0)
     inter = h.size(1)
-    for tile_e, tile_n in hl.tile([groups, inter], block_size=[1, None]):
-        e = tile_e.begin
-        start = starts[e]
-        for tile_m in hl.tile(ends[e] - start):
-            rows = start + tile_m.index
-            tokens = src[rows]
-            acc_g = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            acc_u = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            for tile_k in hl.tile(hidden):
-                a = x[tokens, tile_k]
-                acc_g = torch.addmm(acc_g, a, w[e, tile_n, tile_k].T)
-                acc_u = torch.addmm(acc_u, a, w[e, tile_n.index + inter, tile_k].T)
-            h[rows, tile_n] = (acc_g * torch.sigmoid(acc_g) * acc_u).to(h.dtype)
-            if save:
-                pre[rows, tile_n] = acc_g.to(pre.dtype)
-                pre[rows, tile_n.index + inter] = acc_u.to(pre.dtype)
+    for tile_t, tile_n in hl.tile([tile_group.size(0), inter], block_size=[1, None]):
+        t = tile_t.begin
+        g = tile_group[t]
+        start = tile_row[t]
+        for tile_m in hl.tile(tile_end[t] - start, block_size=block_m):
+            for tile_e in hl.tile(g, g + 1, block_size=1):  # (the expert: see _grouped_matmul_fwd)
+                e = tile_e.begin
+                rows = start + tile_m.index
+                tokens = src[rows]
+                acc_g = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                acc_u = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(hidden):
+                    a = x[tokens, tile_k]
+                    acc_g = torch.addmm(acc_g, a, w[e, tile_n, tile_k].T)
+                    acc_u = torch.addmm(acc_u, a, w[e, tile_n.index + inter, tile_k].T)
+                h[rows, tile_n] = (acc_g * torch.sigmoid(acc_g) * acc_u).to(h.dtype)
+                if save:
+                    pre[rows, tile_n] = acc_g.to(pre.dtype)
+                    pre[rows, tile_n.index + inter] = acc_u.to(pre.dtype)
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
-def _moe_down_bwd(dout: Tensor, w: Tensor, src: Tensor, order: Tensor, tw: Tensor, pre: Tensor, starts: Tensor,
-                  ends: Tensor, dpre: Tensor, hw: Tensor, dsw: Tensor) -> None:
-    # dout [T, H]; w [E, H, I] down; src, order [T·k] int32; tw [T·k] routing weights, flat; pre [T·k, 2I];
-    # starts, ends [E]; dpre [T·k, 2I], hw [T·k, I] out; dsw [T·k] float32, zeroed, accumulated over I tiles.
-    # A program: expert e, a column tile of I; reads the group's gathered dout rows and w[e][:, tile].
+def _moe_down_bwd(dout: Tensor, w: Tensor, src: Tensor, order: Tensor, tw: Tensor, pre: Tensor, tile_group: Tensor,
+                  tile_row: Tensor, tile_end: Tensor, dpre: Tensor, hw: Tensor, dsw: Tensor, block_m: int) -> None:
+    # dout [T, H]; w [E, H, I] down; src, order [T·k] int32; tw [T·k] routing weights, flat; pre [T·k, 2I]; the
+    # row tiles as _moe_up's; dpre [T·k, 2I], hw [T·k, I] out; dsw [T·k] float32, zeroed, accumulated over I tiles.
+    # A program: a row tile, a column tile of I; reads the tile's gathered dout rows and w[e][:, tile] once.
+    block_m = hl.specialize(block_m)
     hidden = dout.size(1)
-    groups = w.size(0)
     inter = hw.size(1)
-    for tile_e, tile_n in hl.tile([groups, inter], block_size=[1, None]):
-        e = tile_e.begin
-        start = starts[e]
-        for tile_m in hl.tile(ends[e] - start):
-            rows = start + tile_m.index
-            tokens = src[rows]
-            acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-            for tile_k in hl.tile(hidden):
-                acc = torch.addmm(acc, dout[tokens, tile_k], w[e, tile_k, tile_n])
-            g = pre[rows, tile_n].to(torch.float32)
-            u = pre[rows, tile_n.index + inter].to(torch.float32)
-            wt = tw[order[rows]].to(torch.float32)
-            sig = torch.sigmoid(g)
-            silu = g * sig
-            hh = silu * u
-            hl.atomic_add(dsw, [rows], torch.sum(acc * hh, dim=1))
-            dh = acc * wt[:, None]
-            dpre[rows, tile_n] = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dpre.dtype)
-            dpre[rows, tile_n.index + inter] = (dh * silu).to(dpre.dtype)
-            hw[rows, tile_n] = (hh * wt[:, None]).to(hw.dtype)
+    for tile_t, tile_n in hl.tile([tile_group.size(0), inter], block_size=[1, None]):
+        t = tile_t.begin
+        g = tile_group[t]
+        start = tile_row[t]
+        for tile_m in hl.tile(tile_end[t] - start, block_size=block_m):
+            for tile_e in hl.tile(g, g + 1, block_size=1):
+                e = tile_e.begin
+                rows = start + tile_m.index
+                tokens = src[rows]
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(hidden):
+                    acc = torch.addmm(acc, dout[tokens, tile_k], w[e, tile_k, tile_n])
+                gate = pre[rows, tile_n].to(torch.float32)
+                u = pre[rows, tile_n.index + inter].to(torch.float32)
+                wt = tw[order[rows]].to(torch.float32)
+                sig = torch.sigmoid(gate)
+                silu = gate * sig
+                hh = silu * u
+                hl.atomic_add(dsw, [rows], torch.sum(acc * hh, dim=1))
+                dh = acc * wt[:, None]
+                dpre[rows, tile_n] = (dh * u * sig * (1.0 + gate * (1.0 - sig))).to(dpre.dtype)
+                dpre[rows, tile_n.index + inter] = (dh * silu).to(dpre.dtype)
+                hw[rows, tile_n] = (hh * wt[:, None]).to(hw.dtype)
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
@@ -208,13 +215,16 @@ def moe_fwd(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_wei
         if I2 == 2 and pre.numel():
             pre = pre[:, ::2].contiguous()
         return out[:, :H].contiguous(), pre, *routed
-    src, order, pos, ends, starts, group_ends, tails = _route(topk_ids, E)
+    src, order, pos, ends, _, group_ends, _ = _route(topk_ids, E)
     rows = src.numel()
     h = torch.empty((rows, I2 // 2), dtype=x.dtype, device=x.device)
     pre = torch.empty((rows, I2) if save else (0,), dtype=x.dtype, device=x.device)
-    _helion.run(_moe_up, (x, gate_up, src, starts, group_ends, pre if save else h, h, save), I2 // 2, x.device)
+    # The row tiles of the E groups (the rows of out-of-range ids, past them, are left unwritten: never read)
+    bm = block_m(_moe_up.name, I2 // 2, x.device, x.dtype)
+    group, first, end = tile_map(group_ends, bm, rows)
+    _helion.run(_moe_up, (x, gate_up, src, group, first, end, pre if save else h, h, bm, save), I2 // 2, x.device)
     y = torch.empty((rows, H), dtype=x.dtype, device=x.device)
-    _helion.run(_grouped_matmul_fwd, (h, down, starts, group_ends, tails, y), H, x.device)
+    _helion.run(_grouped_matmul_fwd, (h, down, group, first, end, y, bm), H, x.device)
     return _combine(y, pos, group_ends, topk_weights, T), pre, src, order, pos, ends
 
 
@@ -234,7 +244,7 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
                 dgate_up[:, keep, :H].contiguous() if dgate_up is not None else None,
                 ddown[:, :H, :I2 // 2].contiguous() if ddown is not None else None, dtw)
     rows = src.numel()
-    starts, group_ends, tails = bounds(ends)
+    starts, group_ends, _ = bounds(ends)
     # Two rows at least: Helion 1.5.0 reads a one-row operand as a broadcast dim (the extra row is in no group).
     tw = topk_weights.reshape(-1)
     one = type(rows) is int and rows == 1  # (a symbolic count is at least 2: torch.compile specialises 0 and 1)
@@ -244,13 +254,15 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
     dpre = torch.empty((padded, I2), dtype=x.dtype, device=x.device)
     hw = torch.empty((padded, I2 // 2), dtype=x.dtype, device=x.device)
     dsw = torch.zeros(padded, dtype=torch.float32, device=x.device)
-    _helion.run(_moe_down_bwd, (dout, down, src, order, tw, pre, starts, group_ends, dpre, hw, dsw), I2 // 2, x.device)
+    bm = block_m(_moe_up.name, I2 // 2, x.device, x.dtype)  # (the forward's row tiles)
+    group, first, end = tile_map(group_ends, bm, rows)
+    _helion.run(_moe_down_bwd, (dout, down, src, order, tw, pre, group, first, end, dpre, hw, dsw, bm), I2 // 2,
+                x.device)
     # The Triton twin's order: each buffer freed once read for the last time.
     dx = dgate_up = ddown = None
     if need_x:
         dx_rows = torch.empty((padded, H), dtype=x.dtype, device=x.device)
-        _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), starts, group_ends, tails, dx_rows), H,
-                    x.device)
+        _helion.run(_grouped_matmul_fwd, (dpre, gate_up.transpose(1, 2), group, first, end, dx_rows, bm), H, x.device)
         dx = _combine(dx_rows, pos, group_ends, None, T)
         del dx_rows
     if need_weights:

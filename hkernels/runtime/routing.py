@@ -60,3 +60,21 @@ def zero_rows_past(y: Tensor, end: Tensor) -> Tensor:
     host sync: the rows a grouped or packed kernel leaves unwritten past its last group or sequence."""
     rows = torch.arange(y.shape[0], device=y.device, dtype=end.dtype)
     return y.masked_fill_((rows >= end).view(-1, *[1] * (y.dim() - 1)), 0)
+
+
+def tile_map(ends: Tensor, block_m: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(group, first row, end row) of each tile of ``block_m`` rows, [rows // block_m + G] int32 each, for the G
+    groups whose end rows are ``ends`` [G] int32 (group g is rows ends[g − 1] .. ends[g], the first from 0, the last
+    ending at most at ``rows``): every group's rows cut into tiles in group order, each tile inside one group, then
+    empty entries (first = end = 0) up to the bound (each group adds at most one partial tile). On the device, no
+    host sync: what a flat grid of row tiles × column tiles walks (hkernels/ops/grouped_matmul.py)."""
+    groups = ends.shape[0]
+    starts = torch.cat([ends.new_zeros(1), ends.narrow(0, 0, groups - 1)])
+    tiles = torch.div(ends - starts + (block_m - 1), block_m, rounding_mode="floor")
+    last = torch.cumsum(tiles, 0, dtype=torch.int32)  # one past each group's last tile
+    i = torch.arange(rows // block_m + groups, device=ends.device, dtype=torch.int32)
+    group = torch.searchsorted(last, i, right=True, out_int32=True).clamp_(max=groups - 1)
+    first = starts.index_select(0, group) + (i - (last - tiles).index_select(0, group)) * block_m
+    end = torch.minimum(first + block_m, ends.index_select(0, group))
+    empty = i >= last.narrow(0, groups - 1, 1)
+    return group, first.masked_fill_(empty, 0), end.masked_fill_(empty, 0)

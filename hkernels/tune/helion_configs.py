@@ -87,8 +87,9 @@ def tune_helion(case: Case, arch: str, out: Path, budget_s: int | None = None) -
             bucket = {"min_n": n, "max_n": n, "dtypes": [str(dtype).removeprefix("torch.")],
                       "config": dict(config.config),
                       "tuned": f"{case.name}, {datetime.date.today()}, {elapsed:.0f} s, {gain:.3f}x the shipped"}
-            if "programs_per_sm" in shipped_bucket:
-                bucket["programs_per_sm"] = shipped_bucket["programs_per_sm"]
+            # the host-side settings kept beside the config (programs per SM, a tile map's rows, ...)
+            bucket.update({key: value for key, value in shipped_bucket.items()
+                           if key not in ("min_n", "max_n", "dtypes", "config", "tuned")})
             tables.merge_buckets(out / "helion" / arch / f"{case.op}.json", name, bucket)
             lines.append(f"helion {name} n={n}: written, {verdict}: {config}")
             say(f"  helion {i}/{len(seen)}: {name}: {verdict}: written")
