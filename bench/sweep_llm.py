@@ -248,7 +248,8 @@ def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iter
     fwd: list[Candidate] = [
         {"block_sizes": [bn, bk], "num_warps": 8, "range_num_stages": [0, 0, 0, st], "l2_groupings": [8],
          **(tma if desc else {})}
-        for (bn, bk), st, desc in itertools.product(((64, 64), (128, 64), (128, 32), (256, 64)), (3, 4), (False, True))
+        for bn, bk, st, desc in ((64, 64, 3, False), (64, 64, 3, True), (128, 64, 3, True), (128, 64, 4, False),
+                                 (128, 128, 3, True), (256, 64, 3, True), (64, 64, 4, True), (128, 32, 4, False))
     ]
     yield (f"helion grouped_matmul fwd {t}x{n}x{k}", lambda: h_gm.grouped_matmul_fwd(x, w, sizes),
            -int(2 * t * n * k), fwd, _helion_override("_grouped_matmul_fwd"))
