@@ -231,6 +231,29 @@ def _matmul(m: int, n: int, k: int, device: torch.device) -> Iterator[Family]:
            cands, _helion_override("_matmul_fwd"))
 
 
+def _moe(t: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device) -> Iterator[Family]:
+    """Helion's moe forward at one shape (ids drawn uniformly): the up projection's column and K tiles, stages and
+    TMA on the weight (its row tiles are the tile map's); "nbytes" is the flops here."""
+    import hkernels.ops.moe as h_moe
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(t, hidden, generator=g, device=device, dtype=torch.bfloat16)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g, device=device, dtype=torch.bfloat16) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g, device=device, dtype=torch.bfloat16) / inter**0.5
+    ids = torch.randint(0, experts, (t, top_k), generator=g, device=device)
+    tw = torch.rand(t, top_k, generator=g, device=device, dtype=torch.bfloat16)
+    # (the up kernel's loads and stores in order: the tile map's three, the tokens, x, the gate's and up's weight; h)
+    tma = {"indexing": ["pointer"] * 5 + ["tensor_descriptor"] * 2 + ["pointer"] * 3, "host_tensor_descriptors": True}
+    up: list[Candidate] = [
+        {"block_sizes": [bn, bk], "num_warps": 8, "range_num_stages": [0, 0, 0, st], "l2_groupings": [8],
+         **(tma if desc else {})}
+        for bn, bk, st, desc in ((64, 64, 3, False), (128, 64, 3, True), (64, 64, 3, True), (128, 64, 4, False),
+                                 (128, 32, 4, True), (256, 64, 3, True))
+    ]
+    yield (f"helion moe fwd {t}x{hidden}x{inter}", lambda: h_moe.moe_fwd(x, gate_up, down, ids, tw, False),
+           -int(6 * t * top_k * hidden * inter), up, _helion_override("_moe_up"))
+
+
 def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iterator[Family]:
     """Helion's grouped GEMM (the moe layers' projections) at one shape, tokens spread evenly over the experts:
     the forward's column and K tiles (its row tiles are the tile map's, a bucket setting), TMA on the weight (with
@@ -430,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     extra: list[Family] = [*_attention_bwd(device), *_matmul(8192, 8192, 8192, device),
                             *_matmul(4096, 28672, 4096, device), *_triton_matmul_gelu(8192, 8192, 8192, device),
-                            *_grouped(16384, 28672, 4096, 8, device), *_grouped(16384, 4096, 14336, 8, device)]
+                            *_grouped(16384, 28672, 4096, 8, device), *_grouped(16384, 4096, 14336, 8, device),
+                            *_moe(8192, 4096, 14336, 8, 2, device)]
     for family, fn, work, candidates, apply in extra:
         if args.only not in family:
             continue
