@@ -97,19 +97,13 @@ def _cross_entropy_fwd(
             at = tile_t.index * row_stride + torch.where(valid & in_range, tgt, 0)
             x_t = hl.load(flat, [at]).to(torch.float32)
             if capped:
-                if fast_tanh:  # noqa: SIM108 (an if on a constexpr, which Helion resolves as it traces)
-                    x_t = softcap * _tanh_approx(x_t * inv_cap)
-                else:
-                    x_t = softcap * _tanh(x_t * inv_cap)
+                x_t = softcap * _capped(x_t * inv_cap, fast_tanh)
         for tile_v in hl.tile(v):
             # Helion's reductions leave out the lanes past V (−inf for the max, 0 for the sums)
             # keep (with a gradient, long rows): pass 1's reads stay in L2 for pass 2's, which evicts them
             x = hl.load(logits, [tile_t, tile_v], eviction_policy="evict_last" if keep else None).to(torch.float32)
             if capped:
-                if fast_tanh:  # noqa: SIM108
-                    x = softcap * _tanh_approx(x * inv_cap)
-                else:
-                    x = softcap * _tanh(x * inv_cap)
+                x = softcap * _capped(x * inv_cap, fast_tanh)
             block_max = torch.amax(x, dim=-1)
             new_max = torch.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
@@ -160,10 +154,7 @@ def _cross_entropy_fwd(
                             ).to(torch.float32)
                 hit = tile_w.index[None, :] == tgt[:, None]
                 if capped:
-                    if fast_tanh:  # noqa: SIM108
-                        th = _tanh_approx(x * inv_cap)
-                    else:
-                        th = _tanh(x * inv_cap)
+                    th = _capped(x * inv_cap, fast_tanh)
                     x = softcap * th
                 p = torch.exp2((x - lse[:, None]) * LOG2E)
                 if weighted:  # p's factor (1−ε)·w_t + ε·Σw/V, and the z term's 2λ·lse (not weighted)
@@ -198,6 +189,11 @@ def _tanh_approx(x: Tensor) -> Tensor:
     (which make the capped loss compute-bound); relative error 2^-11, under a 16-bit logit's own rounding."""
     return hl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=torch.float32, is_pure=True,
                                      pack=1)
+
+
+def _capped(x: Tensor, fast: bool) -> Tensor:
+    """tanh(x) for the cap: the GPU's instruction where ``fast`` (a constant of the kernel), else :func:`_tanh`."""
+    return _tanh_approx(x) if fast else _tanh(x)
 
 
 @helion.kernel(static_shapes=False)
