@@ -74,15 +74,20 @@ def block_m(kernel: str, n: int, device: torch.device, dtype: torch.dtype) -> in
 def grouped_matmul_fwd(x: Tensor, weight: Tensor, group_sizes: Tensor) -> Tensor:
     """x [T, K] (unit stride along K), weight [E, N, K] (any strides), group_sizes [E] integer on x's device ->
     y [T, N] contiguous in x's dtype; rows past the groups' sum are zeros."""
+    return _forward(x, weight, group_ends(group_sizes, x.shape[0]))
+
+
+def _forward(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+    """:func:`grouped_matmul_fwd` on the groups' ends [E + 1] (routing.group_ends: the tail past them the last)."""
     T, N = x.shape[0], weight.shape[1]
     if N == 1 and T > 0:  # Helion 1.5.0 drops the mask of a multi-column tile over a size-1 dim: a zero column
         wide = torch.cat([weight, weight.new_zeros((weight.shape[0], 1, weight.shape[2]))], 1)
-        return grouped_matmul_fwd(x, wide, group_sizes)[:, :1].contiguous()
+        return _forward(x, wide, ends)[:, :1].contiguous()
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
     bm = block_m(_grouped_matmul_fwd.name, N, x.device, x.dtype)
-    group, first, end = tile_map(group_ends(group_sizes, T), bm, T)  # (the tail past the groups is a group: zeros)
+    group, first, end = tile_map(ends, bm, T)  # (the tail past the groups is a group: zeros)
     _helion.run(_grouped_matmul_fwd, (x, weight, group, first, end, y, bm), N, x.device)
     return y
 
@@ -92,11 +97,12 @@ def grouped_matmul_bwd(dy: Tensor, x: Tensor, weight: Tensor, group_sizes: Tenso
     """dy [T, N], x [T, K], weight [E, N, K] -> (dx [T, K] or None, dweight [E, N, K] in weight's dtype or None)."""
     T, K = x.shape
     E, N, _ = weight.shape
-    dx = grouped_matmul_fwd(dy, weight.transpose(1, 2), group_sizes) if need_x else None
+    ends = group_ends(group_sizes, T)
+    dx = _forward(dy, weight.transpose(1, 2), ends) if need_x else None
     dw = None
     if need_weight:
         dw = torch.empty((E, N, K), dtype=weight.dtype, device=weight.device)
         if dw.numel():
-            starts, ends, _ = bounds(group_ends(group_sizes, T))
-            _helion.run(_grouped_matmul_dweight, (dy, x, starts, ends, dw), K, x.device)
+            starts, group_end, _ = bounds(ends)
+            _helion.run(_grouped_matmul_dweight, (dy, x, starts, group_end, dw), K, x.device)
     return dx, dw
