@@ -378,6 +378,32 @@ for fast in (True, False):
     print(*(len(re.findall(p, ptx)) for p in (r"tanh[.]approx[.]f32", r"\\bdiv[.]", r"\\bex2[.]")))
 """
 
+# Helion's generated Triton for the capped forward with a gradient, bf16 logits: the host function's arguments
+# caught at its launch, then the kernel's code with the switch on and off (count of the instruction's sites).
+_HELION_CODE = """
+import torch
+import hkernels.ops.cross_entropy as ce
+from hkernels.ops import _helion
+
+class Caught(Exception):
+    pass
+
+def catch(kernel, args, n, device):
+    raise Caught(args)
+
+_helion.run = catch
+ce.interpreting = lambda: False  # (the switch as on a GPU)
+x = torch.randn(4, 64, dtype=torch.bfloat16)
+try:
+    ce.cross_entropy_fwd(x, torch.randint(0, 64, (4,)), torch.ones(4), -100, 0.0, x.clone(), 30.0)
+except Caught as caught:
+    args = list(caught.args[0])
+assert args[-1] is True
+for fast in (True, False):
+    args[-1] = fast
+    bound = ce._cross_entropy_fwd.bind(tuple(args))
+    print(bound.to_triton_code(bound.config_spec.default_config()).count("tanh.approx.f32"))
+"""
 
 
 @pytest.mark.parametrize("backend", ["helion", "triton"])
@@ -417,7 +443,8 @@ def test_capped_loss_with_the_gpus_tanh(backend, device, monkeypatch):
 def test_capped_loss_kernel_compiles_for_hopper_with_the_tanh_instruction():
     """The Triton kernel for 16-bit capped logits, compiled for sm90 down to the cubin (Triton's ptxas; no GPU
     needed), in a process outside interpret mode: the tanh instruction for each logit of both passes (and x[t]),
-    against the exact form's division and second exp2."""
+    against the exact form's division and second exp2; Helion's generated code with the instruction at its three
+    sites, and without it when the switch is off."""
     import os
     import subprocess
     import sys
@@ -434,6 +461,11 @@ def test_capped_loss_kernel_compiles_for_hopper_with_the_tanh_instruction():
     assert fast_tanh >= 3 and exact_tanh == 0, done.stdout
     # per logit: no division (the scalars' few remain) and one exp2 where the exact form takes two
     assert fast_div < exact_div and 1.5 * fast_ex2 < exact_ex2, done.stdout
+    # Helion's twin: the instruction at each of its three sites (x[t], both passes) when on, none when off
+    done = subprocess.run([sys.executable, "-c", _HELION_CODE], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3", "0"], done.stdout
 
 
 @pytest.mark.parametrize("backend", ["helion", "triton"])
