@@ -25,11 +25,10 @@ SYMBOLIC = frozenset({"grouped_matmul_fwd", "grouped_matmul_bwd"})
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _grouped_matmul_fwd(x: Tensor, weight: Tensor, tile_group: Tensor, tile_row: Tensor, tile_end: Tensor, y: Tensor,
-                        block_m: int) -> None:
+                        block_m: hl.constexpr) -> None:
     # x [T, K]; weight [E, N, K] (any strides); tile_group, tile_row, tile_end [R] int32: each row tile's group (E:
     # the zero tail) and rows (tile_map with tiles of block_m rows); y [T, N] out.
     # A program: one row tile, one column tile; reads the tile's rows of x and weight[e]'s column tile once.
-    block_m = hl.specialize(block_m)
     k = x.size(1)
     groups, n, _ = weight.size()
     for tile_t, tile_n in hl.tile([tile_group.size(0), n], block_size=[1, None]):

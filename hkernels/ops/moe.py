@@ -82,12 +82,11 @@ def _route(topk_ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tens
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _moe_up(x: Tensor, w: Tensor, src: Tensor, tile_group: Tensor, tile_row: Tensor, tile_end: Tensor, pre: Tensor,
-            h: Tensor, block_m: int, save: hl.constexpr) -> None:
+            h: Tensor, block_m: hl.constexpr, save: hl.constexpr) -> None:
     # x [T, H]; w [E, 2I, H] gate_up; src [T·k] int32 tokens of the sorted rows; tile_group, tile_row, tile_end [R]
     # int32 the row tiles (grouped_matmul's tile map over the E groups); pre [T·k, 2I] out where save; h [T·k, I]
     # out. A program: a row tile, a column tile of I; reads the tile's gathered x rows and the gate and up rows of
     # w[e] once.
-    block_m = hl.specialize(block_m)
     hidden = x.size(1)
     inter = h.size(1)
     for tile_t, tile_n in hl.tile([tile_group.size(0), inter], block_size=[1, None]):
@@ -113,11 +112,11 @@ def _moe_up(x: Tensor, w: Tensor, src: Tensor, tile_group: Tensor, tile_row: Ten
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
 def _moe_down_bwd(dout: Tensor, w: Tensor, src: Tensor, order: Tensor, tw: Tensor, pre: Tensor, tile_group: Tensor,
-                  tile_row: Tensor, tile_end: Tensor, dpre: Tensor, hw: Tensor, dsw: Tensor, block_m: int) -> None:
+                  tile_row: Tensor, tile_end: Tensor, dpre: Tensor, hw: Tensor, dsw: Tensor,
+                  block_m: hl.constexpr) -> None:
     # dout [T, H]; w [E, H, I] down; src, order [T·k] int32; tw [T·k] routing weights, flat; pre [T·k, 2I]; the
     # row tiles as _moe_up's; dpre [T·k, 2I], hw [T·k, I] out; dsw [T·k] float32, zeroed, accumulated over I tiles.
     # A program: a row tile, a column tile of I; reads the tile's gathered dout rows and w[e][:, tile] once.
-    block_m = hl.specialize(block_m)
     hidden = dout.size(1)
     inter = hw.size(1)
     for tile_t, tile_n in hl.tile([tile_group.size(0), inter], block_size=[1, None]):
