@@ -252,6 +252,22 @@ def _moe(t: int, hidden: int, inter: int, experts: int, top_k: int, device: torc
     ]
     yield (f"helion moe fwd {t}x{hidden}x{inter}", lambda: h_moe.moe_fwd(x, gate_up, down, ids, tw, False),
            -int(6 * t * top_k * hidden * inter), up, _helion_override("_moe_up"))
+    # The backward's down-projection kernel alone (dout's rows gathered by token, SwiGLU's backward in its epilogue):
+    # its column and K tiles, stages and TMA on the down weight (its loads and stores in order: the tile map's three,
+    # the tokens, dout, the weight, the gate and up, the slots, the routing weights; dpre twice, hw).
+    _, pre, src, order, pos, ends = h_moe.moe_fwd(x, gate_up, down, ids, tw, True)
+    dout = torch.randn(t, hidden, generator=g, device=device, dtype=torch.bfloat16)
+    w_tma = {"indexing": ["pointer"] * 5 + ["tensor_descriptor"] + ["pointer"] * 7, "host_tensor_descriptors": True}
+    down_bwd: list[Candidate] = [
+        {"block_sizes": [bn, bk], "num_warps": w, "range_num_stages": [0, 0, 0, st], "l2_groupings": [8],
+         **(w_tma if desc else {})}
+        for bn, bk, w, st, desc in ((64, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 8, 3, True),
+                                    (128, 64, 8, 4, False), (128, 128, 8, 3, True), (64, 128, 8, 3, True),
+                                    (128, 64, 4, 3, True), (256, 64, 8, 3, True))
+    ]
+    yield (f"helion moe down_bwd {t}x{hidden}x{inter}",
+           lambda: h_moe.moe_bwd(dout, x, gate_up, down, ids, tw, pre, src, order, pos, ends, False, False),
+           -int(2 * t * top_k * hidden * inter), down_bwd, _helion_override("_moe_down_bwd"))
 
 
 def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iterator[Family]:
@@ -276,10 +292,17 @@ def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iter
     ]
     yield (f"helion grouped_matmul fwd {t}x{n}x{k}", lambda: h_gm.grouped_matmul_fwd(x, w, sizes),
            -int(2 * t * n * k), fwd, _helion_override("_grouped_matmul_fwd"))
+    # dx: the forward's kernel on the transposed weight (Helion's descriptor permuted), the moe backward's dx too
+    ends = h_gm.group_ends(sizes, t)
+    w_t = w.transpose(1, 2)
+    yield (f"helion grouped_matmul dx {t}x{k}x{n}", lambda: h_gm._forward(dy, w_t, ends), -int(2 * t * n * k), fwd,
+           _helion_override("_grouped_matmul_fwd"))
     dweight: list[Candidate] = [
-        {"block_sizes": [128, 256, 64], "num_warps": 8, "range_num_stages": [0, 3], "l2_groupings": [8],
+        {"block_sizes": [bn, bk, bm], "num_warps": 8, "range_num_stages": [0, st], "l2_groupings": [8],
          **({"loop_orders": [order]} if order else {})}
-        for order in (None, [1, 2, 0], [2, 1, 0])
+        for (bn, bk, bm, st), order in (((128, 256, 64, 3), None), ((128, 256, 64, 3), [1, 2, 0]),
+                                        ((128, 256, 64, 3), [2, 1, 0]), ((128, 128, 64, 4), None),
+                                        ((256, 128, 64, 3), None), ((128, 256, 32, 4), None), ((64, 256, 64, 3), None))
     ]
     yield (f"helion grouped_matmul dweight {t}x{n}x{k}",
            lambda: h_gm.grouped_matmul_bwd(dy, x, w, sizes, False, True), -int(2 * t * n * k), dweight,
