@@ -77,6 +77,7 @@ def _cross_entropy_fwd_kernel(
     smoothing = tl.cast(smoothing, tl.float32)  # float32 scalars (a compiled graph's launch types floats as float64)
     softcap = tl.cast(softcap, tl.float32)
     inv_cap = 1.0 / softcap  # (x · 1/c: a multiply per logit where a division takes several instructions)
+    cap_log2e = softcap * LOG2E
     z_scale = tl.cast(z_scale, tl.float32)
     for row in tl.range(tl.program_id(0), T, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
@@ -100,13 +101,17 @@ def _cross_entropy_fwd_kernel(
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf"),
                         eviction_policy="evict_last" if KEEP_IN_L2 else "").to(tl.float32)
             if SOFTCAP:
-                x = tl.where(cols < V, softcap * _capped(x * inv_cap, FAST_TANH), -float("inf"))
-            block_max = tl.max(x, axis=0)
+                th = tl.where(cols < V, _capped(x * inv_cap, FAST_TANH), -float("inf"))
+                x = softcap * th  # (left out by the compiler where only p needs it)
+                block_max = softcap * tl.max(th, axis=0)  # (c > 0: the largest tanh gives the largest y)
+            else:
+                block_max = tl.max(x, axis=0)
             new_max = tl.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = tl.where(new_max == -float("inf"), 0.0, new_max)
             alpha = tl.math.exp2((row_max - shift) * LOG2E)
-            p = tl.math.exp2((x - shift) * LOG2E)
+            # (capped: exp(c·th − shift) with one fused multiply-add per logit, the loss being issue-bound there)
+            p = tl.math.exp2(th * cap_log2e - shift * LOG2E if SOFTCAP else (x - shift) * LOG2E)
             row_sum = row_sum * alpha + tl.sum(p, axis=0)
             if STATS:  # the first index of a strictly larger max; −inf logits add nothing (0·−inf would be NaN)
                 first = tl.min(tl.where(x == block_max, cols, V), axis=0)
@@ -168,8 +173,7 @@ def _cross_entropy_fwd_kernel(
                             eviction_policy="evict_first" if KEEP_IN_L2 else "").to(tl.float32)
                 if SOFTCAP:
                     th = _capped(x * inv_cap, FAST_TANH)
-                    x = softcap * th
-                p = tl.math.exp2((x - lse) * LOG2E)
+                p = tl.math.exp2(th * cap_log2e - lse * LOG2E if SOFTCAP else (x - lse) * LOG2E)
                 if WEIGHTED:
                     w = tl.load(w_ptr + cols, mask=cols < V, other=0.0)
                     g = p * p_factor - smoothing * w / V - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)

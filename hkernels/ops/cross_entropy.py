@@ -103,12 +103,18 @@ def _cross_entropy_fwd(
             # keep (with a gradient, long rows): pass 1's reads stay in L2 for pass 2's, which evicts them
             x = hl.load(logits, [tile_t, tile_v], eviction_policy="evict_last" if keep else None).to(torch.float32)
             if capped:
-                x = softcap * _capped(x * inv_cap, fast_tanh)
-            block_max = torch.amax(x, dim=-1)
+                th = _capped(x * inv_cap, fast_tanh)
+                x = softcap * th  # (left out by the compiler where only p needs it)
+                block_max = softcap * torch.amax(th, dim=-1)  # (c > 0: the largest tanh gives the largest y)
+            else:
+                block_max = torch.amax(x, dim=-1)
             new_max = torch.maximum(row_max, block_max)
             # While every value seen is -inf, shift by 0 so that no inf − inf = NaN enters the sum.
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-            p = torch.exp2((x - shift[:, None]) * LOG2E)
+            if capped:  # exp(c·th − shift) with one fused multiply-add per logit (the capped loss is issue-bound)
+                p = torch.exp2(th * (softcap * LOG2E) - (shift * LOG2E)[:, None])
+            else:
+                p = torch.exp2((x - shift[:, None]) * LOG2E)
             alpha = torch.exp2((row_max - shift) * LOG2E)
             row_sum = row_sum * alpha + torch.sum(p, dim=-1)
             if stats:  # the first index of a strictly larger max; −inf logits add nothing (0·−inf would be NaN)
@@ -155,8 +161,9 @@ def _cross_entropy_fwd(
                 hit = tile_w.index[None, :] == tgt[:, None]
                 if capped:
                     th = _capped(x * inv_cap, fast_tanh)
-                    x = softcap * th
-                p = torch.exp2((x - lse[:, None]) * LOG2E)
+                    p = torch.exp2(th * (softcap * LOG2E) - (lse * LOG2E)[:, None])
+                else:
+                    p = torch.exp2((x - lse[:, None]) * LOG2E)
                 if weighted:  # p's factor (1−ε)·w_t + ε·Σw/V, and the z term's 2λ·lse (not weighted)
                     w = class_weight[tile_w]
                     p_factor = (1.0 - smoothing) * w_t
