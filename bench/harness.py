@@ -63,6 +63,8 @@ class Row:
     first_s: float | None = None  # the row's first call (the correctness check): compile time, where it is new
     bench_s: float | None = None  # wall time the benchmark spent on the row, first call included
     error: str = ""
+    # With --kernels: the GPU kernels one timed call launches, (name, ms per call, launches per call), longest first
+    kernels: list[tuple[str, float, int]] | None = None
 
 
 def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
@@ -217,6 +219,44 @@ def write(out: Path, rows: list[Row], env: dict[str, object]) -> None:
         writer.writerows(asdict(r) for r in rows)
     (out / "results.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1))
     (out / "table.txt").write_text((table(rows) if env.get("timed", True) else check_table(rows)) + "\n")
+    if any(r.kernels for r in rows):
+        (out / "kernels.md").write_text(kernels_md(rows))
+
+
+def kernel_times(step: Callable[[], object], device: torch.device, calls: int = 3, top: int = 10
+                 ) -> list[tuple[str, float, int]]:
+    """The GPU kernels one call of ``step`` launches, from torch.profiler over ``calls`` calls after a warm one:
+    (kernel name, ms per call, launches per call), the longest ``top`` first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize(device)
+    found = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = getattr(e, "cuda_time_total", 0.0) if us is None else us
+        if us > 0:
+            found.append((e.key, us / calls / 1e3, e.count // calls))
+    found.sort(key=lambda k: -k[1])
+    return [(name, round(ms, 4), n) for name, ms, n in found[:top]]
+
+
+def kernels_md(rows: Iterable[Row]) -> str:
+    """kernels.md: per profiled row, its kernels and each one's share of the row's kernel time."""
+    out = ["# Kernels per call (torch.profiler, GPU time)", ""]
+    for r in rows:
+        if not r.kernels:
+            continue
+        total = sum(ms for _, ms, _ in r.kernels)
+        out += [f"## {r.op} {shape_of(r)} {r.dtype} {r.mode} {r.backend}: {total:.3f} ms in its {len(r.kernels)} "
+                "longest kernels", "", "| ms | share | launches | kernel |", "|---|---|---|---|"]
+        out += [f"| {ms:.3f} | {ms / total:.0%} | {n} | `{name[:100]}` |" for name, ms, n in r.kernels]
+        out.append("")
+    return "\n".join(out)
 
 
 def progress(i: int, total: int, text: str) -> None:

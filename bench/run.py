@@ -73,6 +73,9 @@ def _parse(argv: list[str]):
         help="only the per-call latency from Python (calls back to back), no CUDA-graph GPU time: ms is then the "
         "latency; the fast pass for decode shapes",
     )
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile each timed row's call (torch.profiler): its GPU kernels, the longest first, in "
+                        "kernels.md and each row's 'kernels' (where a backend's time goes, kernel by kernel)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib)")
     p.add_argument("--out", type=Path, default=None,
                    help="where to write results (default: bench/results/<gpu>; on a CPU, $TMPDIR/hkernels-bench)")
@@ -203,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
                                 except Exception as e:  # keep the per-call time, and say why
                                     row.timing = f"per call (graph capture failed: {type(e).__name__})"
                             _rates(row, op, copy, itemsize)
+                            if args.kernels:  # (a profiler that fails leaves the row's times standing)
+                                try:
+                                    row.kernels = harness.kernel_times(step, device)
+                                except Exception as e:
+                                    print(f"{op_name} {mode} {backend}: kernels not profiled ({type(e).__name__}: "
+                                          f"{e})", file=sys.stderr)
                         else:  # no timing: check a second call too, which reuses what the first built (its plan)
                             again, _ = _check_and_step(fn, mode, inputs, op, ups, ref, ref_grads)
                             row.max_err = max(row.max_err, again)

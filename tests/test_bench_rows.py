@@ -84,6 +84,25 @@ def test_report_without_timings_has_checks_and_no_claims(tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_profiled_rows_list_their_kernels_longest_first(tmp_path):
+    """--kernels: kernels.md holds each profiled row's kernels with their share of its kernel time, and
+    results.json keeps them; a row not profiled is not listed."""
+    import json
+
+    profiled = Row("moe", 8192, 4096, "bfloat16", "fwd_bwd", "helion", 14336, ms=40.0)
+    profiled.kernels = [("_helion__moe_down_bwd", 12.0, 1), ("_helion__moe_dweight", 6.0, 2),
+                        ("_helion__moe_up", 2.0, 1)]
+    plain = Row("moe", 8192, 4096, "bfloat16", "fwd_bwd", "triton", 14336, ms=30.0)
+    harness.write(tmp_path, [profiled, plain], {"device": "a GPU", "dtype": "bfloat16"})
+    text = (tmp_path / "kernels.md").read_text()
+    assert "fwd_bwd helion: 20.000 ms in its 3 longest kernels" in text and "triton" not in text
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "kernel |" not in line]
+    assert [line.split(" | ")[1] for line in lines] == ["60%", "30%", "10%"], lines
+    assert "| 6.000 | 30% | 2 | `_helion__moe_dweight` |" in lines
+    saved = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert saved[0]["kernels"][1] == ["_helion__moe_dweight", 6.0, 2] and saved[1]["kernels"] is None
+
+
 def test_report_with_timings_plots_rates(tmp_path):
     pytest.importorskip("matplotlib")
     rows = []
