@@ -145,10 +145,11 @@ def _moe_down_bwd(dout: Tensor, w: Tensor, src: Tensor, order: Tensor, tw: Tenso
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee")
-def _moe_dweight(dy: Tensor, dy_rows: Tensor, x: Tensor, x_rows: Tensor, starts: Tensor, ends: Tensor,
-                 dw: Tensor) -> None:
-    # dw[e] = dy[dy_rows[rows_e]]ᵀ @ x[x_rows[rows_e]], [E, N, K] (zeros for an empty group). A program: one
-    # expert's N × K tile; reads the group's gathered rows of dy and x once.
+def _moe_dweight(dy: Tensor, x: Tensor, rows_of: Tensor, starts: Tensor, ends: Tensor, dw: Tensor,
+                 gather_x: hl.constexpr) -> None:
+    # dw[e] = dy[rows_e]ᵀ @ x[rows_e], [E, N, K] (zeros for an empty group), one side's rows gathered through
+    # rows_of: x's where gather_x (the gate/up weights' gradient: x by token), else dy's (the down weight's: dout by
+    # token). A program: one expert's N × K tile; reads the group's rows of dy and x once.
     groups, n, k = dw.size()
     for tile_g, tile_n, tile_k in hl.tile([groups, n, k], block_size=[1, None, None]):
         g = tile_g.begin
@@ -156,7 +157,10 @@ def _moe_dweight(dy: Tensor, dy_rows: Tensor, x: Tensor, x_rows: Tensor, starts:
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
         for tile_m in hl.tile(ends[g] - start):
             rows = start + tile_m.index
-            acc = torch.addmm(acc, dy[dy_rows[rows], tile_n].T, x[x_rows[rows], tile_k])
+            if gather_x:
+                acc = torch.addmm(acc, dy[rows, tile_n].T, x[rows_of[rows], tile_k])
+            else:
+                acc = torch.addmm(acc, dy[rows_of[rows], tile_n].T, x[rows, tile_k])
         dw[g, tile_n, tile_k] = acc.to(dw.dtype)
 
 
@@ -265,12 +269,11 @@ def moe_bwd(dout: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Te
         dx = _combine(dx_rows, pos, group_ends, None, T)
         del dx_rows
     if need_weights:
-        identity = torch.arange(padded, dtype=torch.int32, device=x.device)
         dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-        _helion.run(_moe_dweight, (dpre, identity, x, src, starts, group_ends, dgate_up), H, x.device)
+        _helion.run(_moe_dweight, (dpre, x, src, starts, group_ends, dgate_up, True), H, x.device)
         del dpre
         ddown = torch.empty(down.shape, dtype=down.dtype, device=down.device)
-        _helion.run(_moe_dweight, (dout, src, hw, identity, starts, group_ends, ddown), I2 // 2, x.device)
+        _helion.run(_moe_dweight, (dout, hw, src, starts, group_ends, ddown, False), I2 // 2, x.device)
     del hw
     dtw = dsw.index_select(0, pos).view(topk_weights.shape).to(topk_weights.dtype)
     return dx, dgate_up, ddown, dtw
