@@ -141,6 +141,34 @@ def test_a_helion_candidate_of_the_sweeps_compiles_its_own_kernel(tool, device):
     assert kernels[0] is not kernels[1]
 
 
+def test_the_grouped_and_moe_sweep_families_run_their_candidates(device):
+    """sweep-llm's Helion grouped_matmul and moe families at a small shape: each candidate a CPU can run (no TMA
+    descriptors there) runs under the family's override; a TMA candidate's indexing list has one entry per load and
+    store of its kernel."""
+    if device.type == "cuda":
+        pytest.skip("the sweep itself runs on a GPU (python -m bench sweep-llm)")
+    from bench import sweep_llm
+
+    # the families and their kernels' loads and stores (None: no TMA candidate)
+    sites = {"helion moe fwd": 10, "helion moe down_bwd": 13, "helion grouped_matmul fwd": 6,
+             "helion grouped_matmul dx": 6, "helion grouped_matmul dweight": None}
+    families = [*sweep_llm._moe(64, 32, 64, 4, 2, device), *sweep_llm._grouped(64, 48, 32, 4, device)]
+    assert sorted(name.rsplit(" ", 1)[0] for name, *_ in families) == sorted(sites)
+    for name, fn, _work, candidates, apply in families:
+        ran = 0
+        for cand in candidates:
+            if "indexing" in cand:
+                assert len(cand["indexing"]) == sites[name.rsplit(" ", 1)[0]], (name, cand)
+                continue  # (TMA: a GPU's)
+            undo = apply({**cand, "block_sizes": [16] * len(cand["block_sizes"])})
+            try:
+                fn()
+                ran += 1
+            finally:
+                undo()
+        assert ran >= 1, name
+
+
 def test_a_run_without_a_gpu_prints_each_row_once_and_no_time(tmp_path, capsys, device):
     """On a CPU (interpreted kernels): one line per row, no time anywhere (stdout, stderr, results.csv), and the
     closing lines name the output folder and what each file holds."""
