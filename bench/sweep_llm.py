@@ -268,6 +268,16 @@ def _moe(t: int, hidden: int, inter: int, experts: int, top_k: int, device: torc
     yield (f"helion moe down_bwd {t}x{hidden}x{inter}",
            lambda: h_moe.moe_bwd(dout, x, gate_up, down, ids, tw, pre, src, order, pos, ends, False, False),
            -int(2 * t * top_k * hidden * inter), down_bwd, _helion_override("_moe_down_bwd"))
+    # The weight gradients (gate/up's with x gathered by token, down's with dout gathered), after the down-backward:
+    # their tiles (the timed call includes the down-backward, whose time the candidates share)
+    dweight: list[Candidate] = [
+        {"block_sizes": [bn, bk, bm], "num_warps": 8, "range_num_stages": [0, st], "l2_groupings": [8]}
+        for bn, bk, bm, st in ((128, 256, 64, 3), (128, 128, 64, 4), (256, 128, 64, 3), (128, 256, 32, 4),
+                               (64, 256, 64, 3))
+    ]
+    yield (f"helion moe dweight {t}x{hidden}x{inter}",
+           lambda: h_moe.moe_bwd(dout, x, gate_up, down, ids, tw, pre, src, order, pos, ends, False, True),
+           -int(2 * t * top_k * hidden * inter * 4), dweight, _helion_override("_moe_dweight"))
 
 
 def _grouped(t: int, n: int, k: int, experts: int, device: torch.device) -> Iterator[Family]:

@@ -150,8 +150,8 @@ def test_the_grouped_and_moe_sweep_families_run_their_candidates(device):
     from bench import sweep_llm
 
     # the families and their kernels' loads and stores (None: no TMA candidate)
-    sites = {"helion moe fwd": 10, "helion moe down_bwd": 13, "helion grouped_matmul fwd": 6,
-             "helion grouped_matmul dx": 6, "helion grouped_matmul dweight": None}
+    sites = {"helion moe fwd": 10, "helion moe down_bwd": 13, "helion moe dweight": None,
+             "helion grouped_matmul fwd": 6, "helion grouped_matmul dx": 6, "helion grouped_matmul dweight": None}
     families = [*sweep_llm._moe(64, 32, 64, 4, 2, device), *sweep_llm._grouped(64, 48, 32, 4, device)]
     assert sorted(name.rsplit(" ", 1)[0] for name, *_ in families) == sorted(sites)
     for name, fn, _work, candidates, apply in families:
