@@ -248,7 +248,7 @@ def _inductor_copy_problem(kernel: object) -> str | None:
 
 def _aligned_cases() -> list[tuple[str, tuple[list[torch.Tensor], list[torch.Tensor], object]]]:
     """16-bit calls of shapes the TMA paths take (aligned rows, whole tiles): in a graph they must run by pointer;
-    and calls of an op's other kernels."""
+    calls of an op's other kernels; calls of one row."""
     g = torch.Generator().manual_seed(4)
 
     def t(*shape: int) -> torch.Tensor:
@@ -259,7 +259,16 @@ def _aligned_cases() -> list[tuple[str, tuple[list[torch.Tensor], list[torch.Ten
     # a window and a logit cap: the masked kernels, whose unbounded sides stand for a distance no position reaches
     qm, km, vm = (torch.randn(shape, generator=g).requires_grad_() for shape in ((1, 4, 9, 16), (1, 2, 9, 16),
                                                                                 (1, 2, 9, 16)))
+    # one row (a decode step, a one-token loss): Helion binds these at two rows (hkernels/ops/_helion.py's
+    # _two_rows); in a graph, the row count a symbol of the binding's own
+    x1, r1, w1, b1 = t(1, 256), t(1, 256), t(256), t(256)
+    logits1, target1 = t(1, 512), torch.tensor([7])
     return [
+        ("rms_norm one row", ([x1, w1], [x1, w1], lambda m, *x: m.rms_norm(*x).float().sum())),
+        ("add_rms_norm one row", ([x1, r1, w1], [x1, r1, w1],
+                                  lambda m, *x: sum(o.float().sum() for o in m.add_rms_norm(*x)))),
+        ("layer_norm one row", ([x1, w1, b1], [x1, w1, b1], lambda m, *x: m.layer_norm(*x).float().sum())),
+        ("cross_entropy one row", ([logits1, target1], [logits1], lambda m, *x: m.cross_entropy(*x))),
         ("attention bf16", ([q, k, v], [q, k, v], lambda m, *x: m.attention(*x, causal=True).float().sum())),
         ("matmul bf16", ([a, b], [a, b], lambda m, *x: m.matmul(*x).float().sum())),
         ("attention masked", ([qm, km, vm], [qm, km, vm],

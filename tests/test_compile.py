@@ -411,6 +411,11 @@ def test_every_kernel_launch_is_traced_into_the_graph():
         # descriptors; masked: a window and a cap)
         for backend in ("triton", "helion"):
             assert any(k.startswith(f"{op} ") and k.endswith(f" {backend}") for k in ok), (op, backend)
+    # one row: Helion's binding at two rows serves it in a graph too (the forwards here; a backward's one-row weight
+    # partial is a slice of a fake CUDA tensor, which a CPU cannot take)
+    for op in ("rms_norm", "add_rms_norm", "layer_norm", "cross_entropy"):
+        for backend in ("triton", "helion"):
+            assert f"{op} one row {op}_fwd.default {backend}" in ok, (op, backend)
     # at a symbolic length (a graph whose length varies): traced with no guard on the row count where declared
     for op, backend in SYMBOLIC_TRACED:
         assert any(k.startswith(f"{op} ") and k.endswith(f" {backend} symbolic") for k in ok), (op, backend)
@@ -771,6 +776,23 @@ def test_compiled_at_five_lengths_compiles_twice(op, backend, device):
     with hkernels.use_backend(backend):
         _same_as_eager_at(compiled, op, LENGTHS, 4, device)
     assert counter.frame_count <= 2, f"{op} on {backend}: {counter.frame_count} graphs for {len(LENGTHS)} lengths"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor launching the traced kernels: GPU only")
+@pytest.mark.parametrize("backend", ["helion", "triton"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "layer_norm", "cross_entropy"])
+def test_one_row_traced_into_inductors_graph(op, backend, device):
+    """One row (a decode step's norm, a one-token loss) compiled with Inductor: the kernels traced into the graph
+    (Helion's bound at two rows, the row count read as it runs), nothing called back, forward and backward as the
+    eager call gives them, twice."""
+    import warnings
+
+    torch._dynamo.reset()
+    fn = getattr(hkernels, op)
+    compiled = torch.compile(lambda *a, **k: _llm_sum(fn(*a, **k)), fullgraph=True)
+    with hkernels.use_backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("error", hkernels.HKernelsFallbackWarning)
+        _same_as_eager_at(compiled, op, (1, 1), 5, device)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and Inductor's autotuning: GPU only")

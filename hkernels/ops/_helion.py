@@ -132,14 +132,16 @@ def record() -> Iterator[list[tuple[Any, tuple[Any, ...], int]]]:
         _plan.enabled = plans
 
 
-def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device) -> Any:
+def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device, rows: tuple[int, ...] = ()
+        ) -> Any:
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it. Inside a replayed
-    plan (``hkernels/runtime/plan.py``) the compiled function is the one the plan recorded: no key is built."""
+    plan (``hkernels/runtime/plan.py``) the compiled function is the one the plan recorded: no key is built.
+    ``rows``: see :func:`compiled`."""
     fn = _plan.recall(kernel)
     if fn is None:
         if _recording is not None:
             _recording.append((kernel, args, n))
-        fn = compiled(kernel, args, n, device)
+        fn = compiled(kernel, args, n, device, rows=rows)
         _plan.keep(kernel, fn)
     if device.type == "cuda":  # Triton's per-launch binding skipped after the first launch of a specialisation
         return fn(*args, _launcher=helion_launcher)
@@ -154,12 +156,16 @@ COMPILING = threading.RLock()
 
 
 def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
-             block_sizes: tuple[int, ...] | None = None) -> Any:
+             block_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] = ()) -> Any:
     """``kernel`` compiled for ``args`` with its shipped config (its ``block_sizes`` replaced where given: a shape
-    the shipped blocks do not suit): Helion's generated host function."""
+    the shipped blocks do not suit): Helion's generated host function.
+
+    ``rows``: the positions of the arguments whose first dim is the row count. A call of one row is bound with
+    that dim at two rows and runs the code of every row count (see :func:`_two_rows`)."""
     # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
     n = int(n)  # (a static dim: a graph with every size symbolic takes it as a constant)
     symbolic = _plan.TRACING > 0 and _has_symbols(args)
+    one_row = not symbolic and _one_row(args, rows)
     key: tuple[Any, ...] | None = (kernel, n, block_sizes, _plan.TRACING > 0, _aliases(args),
                                    *(_symbolic_key(args) if symbolic else [_arg_key(a) for a in args]))
     try:
@@ -195,6 +201,10 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
                     values = _specialize(args, specs)
                     if key is not None:  # (before the function is kept: a hit always finds it)
                         _specialised[key] = (specs, values)
+                elif one_row and tracing:  # (the row count a symbol of the binding's own: code for every count)
+                    bound = kernel._bind_isolated(_symbolic_stand_ins(args, rows))
+                elif one_row:
+                    bound = kernel.bind(_two_rows(args, rows))
                 elif tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
                     made: dict[int, Any] = {}
                     stand_ins = tuple(made[id(a)] if id(a) in made else made.setdefault(id(a), _stand_in(a))
@@ -346,10 +356,11 @@ def _has_symbols(args: tuple[Any, ...]) -> bool:
                for v in (*a.shape, *a.stride())) or any(isinstance(a, torch.SymInt) for a in args)
 
 
-def _symbolic_stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _symbolic_stand_ins(args: tuple[Any, ...], rows: tuple[int, ...] = ()) -> tuple[Any, ...]:
     """Stand-ins of a traced call whose sizes are symbolic, for Helion to bind code that serves every size they take:
     each symbolic size or stride (one symbol per distinct expression, at least 2, as a graph's symbolic length is)
-    a free symbol of a shape environment of its own, static sizes as they are, a SymInt argument its value. Nothing
+    a free symbol of a shape environment of its own, static sizes as they are, a SymInt argument its value; the
+    first dim of the arguments at ``rows`` (a call of one row) one more symbol, its hint 2. Nothing
     Helion decides while it binds reaches the graph's guards, except one decision made here in the graph's own
     terms: whether each tensor has more elements than a 32-bit offset reaches (Helion then indexes it with 64-bit
     offsets), a guard on the length that makes a graph crossing it a second one."""
@@ -372,16 +383,27 @@ def _symbolic_stand_ins(args: tuple[Any, ...]) -> tuple[Any, ...]:
             made[expr] = env.create_symintnode(symbol, hint=hint)
         return made[expr]
 
+    row: list[Any] = []
+
+    def sizes(a: torch.Tensor, i: int) -> list[Any]:
+        shape = [size(v) for v in a.shape]
+        if i in rows:
+            if not row:
+                row.append(env.create_symintnode(env.create_symbol(2, ConstantSource("hkernels_rows"),
+                                                                   dynamic_dim=DimDynamic.DYNAMIC), hint=2))
+            shape[0] = row[0]
+        return shape
+
     out: list[Any] = []
     tensors: dict[int, Any] = {}  # (an argument given twice is one stand-in, bound as it runs)
-    for a in args:
+    for i, a in enumerate(args):
         if isinstance(a, torch.SymInt):
             out.append(int(a.node.hint))
         elif isinstance(a, torch.Tensor):
             if id(a) not in tensors:
                 bool(a.numel() > 2**31 - 1)  # (the guard: Helion's choice of offset width, where the graph sees it)
                 with mode:
-                    tensors[id(a)] = torch.empty_strided([size(v) for v in a.shape], [size(v) for v in a.stride()],
+                    tensors[id(a)] = torch.empty_strided(sizes(a, i), [size(v) for v in a.stride()],
                                                          dtype=a.dtype, device=a.device)
             out.append(tensors[id(a)])
         else:
@@ -439,6 +461,29 @@ def _specialize(args: tuple[Any, ...], specs: tuple[tuple[int, bool, int], ...])
     return tuple(int(args[i].size(d) if size else args[i].stride(d)) for i, size, d in specs)
 
 
+def _one_row(args: tuple[Any, ...], rows: tuple[int, ...]) -> bool:
+    """Whether the arguments at ``rows`` (the row count their first dim) hold one row."""
+    return bool(rows) and all(type(args[i].shape[0]) is int and args[i].shape[0] == 1
+                              for i in rows if isinstance(args[i], torch.Tensor))
+
+
+def _two_rows(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[Any, ...]:
+    """Arguments to bind a call of one row on: those at ``rows`` two rows (strides kept; never read), the rest
+    detached. Helion 1.5.0 specialises a dim of size 1 to a broadcast and then drops the row mask of a tile over
+    it: stores of every lane of a row block go to row 0 (masked lanes too), and a sum over the tile's rows counts
+    row 0 once per row of the tile. Code bound at two rows reads the row count at run time and serves one row as it
+    serves any other count (one binding for every count, and no padding copy per call)."""
+    made: dict[int, Any] = {}  # (an argument given twice is one stand-in, bound as it runs)
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and i in rows:
+            if id(a) not in made:
+                made[id(a)] = torch.empty_strided((2, *a.shape[1:]), a.stride(), dtype=a.dtype, device=a.device)
+            a = made[id(a)]
+        out.append(_detached(a))
+    return tuple(out)
+
+
 def _detached(a: Any) -> Any:
     return a.detach() if isinstance(a, torch.Tensor) else a
 
@@ -462,13 +507,14 @@ def _stand_in(a: Any) -> Any:
 
 
 def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
-         block_sizes: tuple[int, ...] | None = None) -> tuple[Any, Any]:
+         block_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] = ()) -> tuple[Any, Any]:
     """``kernel`` for arguments of this signature (a plan's binding): (Helion's generated host function, a launcher
     for it that goes straight to each compiled Triton kernel after its first launch); call ``fn(*args,
-    _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time."""
+    _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time.
+    ``rows``: see :func:`compiled`."""
     if _recording is not None:
         _recording.append((kernel, args, n))
-    fn = compiled(kernel, args, n, device, block_sizes)
+    fn = compiled(kernel, args, n, device, block_sizes, rows)
     if _plan.TRACING or not replayable(fn):
         return fn, bound_launcher()
     # one replay per call signature (the compiled function serves a whole size class, a record one signature),
@@ -632,13 +678,3 @@ def row_groups(m: int, n: int, block_n: int, device: torch.device, per_sm: int =
         return -(-m // most), most
     rows = -(-m // max(1, min(m, most)))
     return rows, -(-m // rows)
-
-
-def pad_single_row(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Pad one-row inputs of a kernel that sums over rows to two rows of zeros' worth.
-
-    Helion 1.5.0 specialises a size-1 dim to a broadcast and then drops the row mask of a multi-row tile over
-    it, so a sum over that tile's rows counts row 0 once per tile row (dw 16× too large for M = 1). With a
-    second, all-zero row the row dim is dynamic again; zeros add nothing to the sums, and callers slice row 0.
-    """
-    return tuple(torch.cat([t, t.new_zeros((1, *t.shape[1:]))]) for t in tensors)

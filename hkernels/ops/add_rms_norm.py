@@ -87,20 +87,10 @@ def _bind_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, of
     ``stats=False`` (no rstd allocated or written)."""
     M, N = x.shape
     dtype, device = x.dtype, x.device
-    if M == 1:
-        # Helion 1.5.0 reads and writes a one-row residual and s as broadcasts over the row tile (the bug of
-        # _helion.pad_single_row): run two rows instead, the second a stride-0 repeat of the first (no copy).
-        two = _bind_fwd(x.expand(2, N), residual.expand(2, N), weight, eps, offset, stats)
-
-        def run_one_row(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
-                        ) -> tuple[Tensor, ...]:
-            # (row 0 as a tensor of its own, not a view: a caller may write into the results in place)
-            return tuple(torch.ops.aten._unsafe_view(t[:1], (1, *t.shape[1:]))
-                         for t in two(x.expand(2, N), residual.expand(2, N), weight, eps, offset))
-        return run_one_row
     s = torch.empty((M, N), dtype=dtype, device=device)  # examples of the sum's and rstd's buffers, for binding
     rstd = row_stats(x) if stats else None
-    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, offset, s, rstd), N, device)
+    fn, launcher = _helion.bind(_add_rms_norm_fwd, (x, residual, weight, eps, offset, s, rstd), N, device,
+                                rows=(0, 1, 5, 6))
     if not stats:
         def run_no_stats(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0
                          ) -> tuple[Tensor, Tensor]:

@@ -227,19 +227,6 @@ def cross_entropy_fwd(
     predicted class (−1 where ignored) and entropy of the softmax (0 where ignored) written there; ``weight`` [V]
     float32: the classes' weights (F.cross_entropy's), unreduced."""
     T, V = logits.shape
-    if T == 1:  # the Helion 1.5.0 size-1 bug (see _helion.pad_single_row): add a second row, ignored
-        logits2, scale2 = _helion.pad_single_row(logits, scale.expand(1))
-        target2 = torch.cat([target, target.new_full((1,), ignore_index)])
-        grad2 = torch.empty_like(logits2) if grad is not None else None
-        z2 = torch.empty(2, dtype=torch.float32, device=logits.device) if z is not None else None
-        stats2 = (torch.empty(2, dtype=torch.int64, device=logits.device),
-                  torch.empty(2, dtype=torch.float32, device=logits.device)) if stats is not None else None
-        loss = cross_entropy_fwd(logits2, target2, scale2, ignore_index, label_smoothing, grad2, softcap, z_scale,
-                                 z2, stats2, weight)
-        for mine, padded in ((grad, grad2), (z, z2), *zip(stats or (), stats2 or (), strict=True)):
-            if mine is not None:
-                mine.copy_(padded[:1])
-        return torch.ops.aten._unsafe_view(loss[:1], (1,))  # (a tensor of its own, not a view of the padding)
     zloss = z_scale != 0.0
     if zloss and z is None:
         z = torch.empty(T, dtype=torch.float32, device=logits.device)
@@ -254,7 +241,7 @@ def cross_entropy_fwd(
             softcap > 0.0, zloss, stats is not None, weight is not None,
             grad is not None and int(V) >= KEEP_IN_L2_FROM,  # (V: a constant of the kernel, symbolic or not)
             softcap > 0.0 and logits.dtype in FAST_TANH_DTYPES and not interpreting())
-    return _helion.run(_cross_entropy_fwd, args, V, logits.device)
+    return _helion.run(_cross_entropy_fwd, args, V, logits.device, rows=(0, 2, 3, 4, 5, 6, 7))
 
 
 def cross_entropy_bwd(dloss: Tensor, grad: Tensor) -> Tensor:

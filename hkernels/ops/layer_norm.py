@@ -221,15 +221,10 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     like = _helion.like(out or x.dtype, x.device)
     kernel = _layer_norm_fwd if N <= MAX_RESIDENT_FWD else _layer_norm_fwd_looped
     if not stats:  # (no mean or rstd: neither allocated nor written)
-        fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, None, None), N, x.device)
+        fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, None, None), N, x.device, rows=(0,))
         return lambda x, weight, bias, eps, out=None: fn(x, like, weight, bias, eps, None, None, _launcher=launcher)
-    # (Helion 1.5.0 stores to a one-row output as to a broadcast, every lane of the row block writing its one
-    # element, masked lanes too: a block of one row then)
-    one_row = None
-    if x.shape[0] == 1:
-        one_row = (1, *_helion.config_for(kernel.name, N, x.device, x.dtype).block_sizes[1:])
     fn, launcher = _helion.bind(kernel, (x, like, weight, bias, eps, row_stats(x), row_stats(x)), N, x.device,
-                                one_row)  # (examples of mean and rstd, for binding)
+                                rows=(0, 5, 6))  # (examples of mean and rstd, for binding)
 
     def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out: torch.dtype | None = None
             ) -> tuple[Tensor, Tensor, Tensor]:
@@ -242,15 +237,6 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
               ) -> Callable[..., Any]:
     M, N = x.shape
     device = x.device
-    if M == 1:
-        pdy, px, pmean, prstd = _helion.pad_single_row(dy, x, mean, rstd)
-        padded = _bind_bwd(pdy, px, weight, bias, pmean, prstd)
-
-        def run_one_row(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
-                        rstd: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-            dx, dw, db = padded(*_helion.pad_single_row(dy, x), weight, bias, *_helion.pad_single_row(mean, rstd))
-            return dx[:1], dw, db
-        return run_one_row
     with_bias = bias is not None
     sum_dw = lazy_sum_partials() if weight is not None else None
     sum_db = lazy_sum_partials() if bias is not None else None
@@ -258,14 +244,16 @@ def _bind_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if N <= MAX_RESIDENT_BWD:
         rows, programs = _helion.persistent(M, device, _helion.programs_per_sm("_layer_norm_bwd", N, device, x.dtype))
         fn, launcher = _helion.bind(_layer_norm_bwd, (dy, x, weight, mean, rstd, rows, programs, with_bias), N,
-                                    device)
+                                    device, rows=(0, 1, 3, 4))
     else:
-        dot, dot_launcher = _helion.bind(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, device)
+        dot, dot_launcher = _helion.bind(_layer_norm_bwd_dot, (dy, x, weight, mean, rstd), N, device,
+                                         rows=(0, 1, 3, 4))
         block_n = _helion.config_for("_layer_norm_bwd_looped", N, device, x.dtype).block_sizes[0]
         rows, programs = _helion.row_groups(M, N, block_n, device)
         c1, c2 = (torch.empty(M, dtype=torch.float32, device=device) for _ in range(2))  # the dot's, for binding
         fn, launcher = _helion.bind(_layer_norm_bwd_looped,
-                                    (dy, x, weight, mean, rstd, c1, c2, rows, programs, with_bias), N, device)
+                                    (dy, x, weight, mean, rstd, c1, c2, rows, programs, with_bias), N, device,
+                                    rows=(0, 1, 3, 4, 5, 6))
 
     def run(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
             ) -> tuple[Tensor, Tensor | None, Tensor | None]:

@@ -158,13 +158,12 @@ def _bind_fwd(x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0,
     """``run(x, weight, eps, offset) -> (y, rstd)``, or y alone with ``stats=False``: for this eps and offset
     (scalars are constants of a replayed call, as in every binding here)."""
     if not stats:  # (no rstd: neither allocated nor written)
-        fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, offset, None, None), x.shape[1], x.device)
+        fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, offset, None, None), x.shape[1], x.device,
+                                    rows=(0,))
         return lambda x, weight, eps, offset=0.0: fn(x, None, weight, eps, offset, None, None, _launcher=launcher)
     rstd = row_stats(x)  # (an example, for binding)
-    # (Helion 1.5.0 stores to a one-row rstd as to a broadcast, every lane of the row block writing its one
-    # element, masked lanes too: a block of one row then)
     fn, launcher = _helion.bind(_rms_norm_fwd, (x, None, weight, eps, offset, None, rstd), x.shape[1], x.device,
-                                (1,) if x.shape[0] == 1 else None)
+                                rows=(0, 6))
 
     def run(x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
         rstd = row_stats(x)
@@ -195,22 +194,12 @@ def bind_bwd(
     given (contiguous; it may be dy) where there is one."""
     M, N = x.shape
     device, dtype = x.device, x.dtype
-    if M == 1:
-        pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
-        padded = bind_bwd(resident, looped, pdy, pds, px, weight, prstd, offset)
-
-        def run_one_row(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
-                        dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
-            pdy, pds, px, prstd = _pad(dy, ds, x, rstd)
-            grad, dw = padded(pdy, pds, px, weight, prstd, None, offset)
-            return (grad[:1] if dx is None else dx.copy_(grad[:1])), dw
-        return run_one_row
     sum_dw = lazy_sum_partials() if weight is not None else None
     example = torch.empty_like(x, memory_format=torch.contiguous_format)  # dx's, for binding
     if N <= MAX_RESIDENT_BWD:
         rows, programs = _helion.persistent(M, device, _helion.programs_per_sm(resident.name, N, device, x.dtype))
         fn, launcher = _helion.bind(resident, (dy, ds, x, weight, rstd, example, rows, programs, offset), N,
-                                    device)
+                                    device, rows=(0, 1, 2, 4, 5))
 
         def run(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
                 dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
@@ -219,11 +208,12 @@ def bind_bwd(
             dw_part = fn(dy, ds, x, weight, rstd, dx, rows, programs, offset, _launcher=launcher)
             return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
         return run
-    dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight, offset), N, device)
+    dot, dot_launcher = _helion.bind(_rms_norm_bwd_dot, (dy, x, weight, offset), N, device, rows=(0, 1))
     block_n = _helion.config_for(looped.name, N, device, x.dtype).block_sizes[0]
     rows, groups = _helion.row_groups(M, N, block_n, device)
     c = torch.empty(M, dtype=torch.float32, device=device)  # an example of the dot's output, for binding
-    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, example, rows, groups, offset), N, device)
+    fn, launcher = _helion.bind(looped, (dy, ds, x, weight, rstd, c, example, rows, groups, offset), N, device,
+                                rows=(0, 1, 2, 4, 5, 6))
 
     def run_looped(dy: Tensor, ds: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor,
                    dx: Tensor | None = None, offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
@@ -233,11 +223,6 @@ def bind_bwd(
         dw_part = fn(dy, ds, x, weight, rstd, c, dx, rows, groups, offset, _launcher=launcher)
         return dx, (sum_dw(dw_part, weight) if sum_dw is not None else None)
     return run_looped
-
-
-def _pad(dy: Tensor, ds: Tensor | None, x: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    pdy, px, prstd = _helion.pad_single_row(dy, x, rstd)
-    return pdy, (_helion.pad_single_row(ds)[0] if ds is not None else None), px, prstd
 
 
 def run_bwd(
