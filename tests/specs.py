@@ -652,6 +652,9 @@ CASES_LLM += [
     _mm_case("llama_qkv", 512, 4096, 6144, transposed_b=True, gpu_only=True),
     _mm_case("llama_up_silu", 300, 4096, 14336, bias=True, activation="silu", gpu_only=True),
     _attn_case("one_query", 1, 1, 1, 1, 1, 64),
+    # one query against many keys (a decode step through attention): a dim of size 1 under a tile of queries
+    _attn_case("one_query_many_keys", 2, 4, 2, 1, 37, 64),
+    _attn_case("one_query_softcap", 1, 4, 1, 1, 20, 32, softcap=5.0),
     _attn_case("odd", 1, 2, 2, 7, 7, 64),
     _attn_case("causal_odd", 1, 2, 1, 37, 37, 64, causal=True),
     _attn_case("gqa_cross", 2, 4, 2, 9, 20, 16),

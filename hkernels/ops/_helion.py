@@ -132,8 +132,8 @@ def record() -> Iterator[list[tuple[Any, tuple[Any, ...], int]]]:
         _plan.enabled = plans
 
 
-def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device, rows: tuple[int, ...] = ()
-        ) -> Any:
+def run(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
+        rows: tuple[int | tuple[int, int], ...] = ()) -> Any:
     """Compile ``kernel`` for ``args`` with its shipped config (once per binding) and run it. Inside a replayed
     plan (``hkernels/runtime/plan.py``) the compiled function is the one the plan recorded: no key is built.
     ``rows``: see :func:`compiled`."""
@@ -156,16 +156,15 @@ COMPILING = threading.RLock()
 
 
 def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
-             block_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] = ()) -> Any:
+             block_sizes: tuple[int, ...] | None = None, rows: tuple[int | tuple[int, int], ...] = ()) -> Any:
     """``kernel`` compiled for ``args`` with its shipped config (its ``block_sizes`` replaced where given: a shape
     the shipped blocks do not suit): Helion's generated host function.
 
-    ``rows``: the positions of the arguments whose first dim is the row count. A call of one row is bound with
-    that dim at two rows and runs the code of every row count (see :func:`_two_rows`)."""
+    ``rows``: where the row count is, each the position of an argument (its first dim) or (position, dim). A call
+    of one row is bound with those dims at two rows and runs the code of every row count (see :func:`_two_rows`)."""
     # (a traced graph's function is bound on stand-ins with pointer indexing: never an eager call's)
     n = int(n)  # (a static dim: a graph with every size symbolic takes it as a constant)
     symbolic = _plan.TRACING > 0 and _has_symbols(args)
-    one_row = not symbolic and _one_row(args, rows)
     key: tuple[Any, ...] | None = (kernel, n, block_sizes, _plan.TRACING > 0, _aliases(args),
                                    *(_symbolic_key(args) if symbolic else [_arg_key(a) for a in args]))
     try:
@@ -194,15 +193,15 @@ def compiled(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch
         disk = None if tracing or getattr(kernel, "_bound_kernels", None) else _code_key(kernel, config, args, device)
         fn = _code_load(disk) if disk is not None else None
         if fn is None:
+            one_row = _one_row(args, rows)  # (a one-row graph may be symbolic in another size: a cache length)
             with COMPILING, _outside_modes() if tracing else contextlib.nullcontext():
-                if symbolic:  # (a length that varies: code for every value it takes)
-                    bound = kernel._bind_isolated(_symbolic_stand_ins(args))
-                    specs = _specialised_by(bound)
-                    values = _specialize(args, specs)
-                    if key is not None:  # (before the function is kept: a hit always finds it)
-                        _specialised[key] = (specs, values)
-                elif one_row and tracing:  # (the row count a symbol of the binding's own: code for every count)
-                    bound = kernel._bind_isolated(_symbolic_stand_ins(args, rows))
+                if symbolic or (one_row and tracing):  # (a length that varies, or one row: code for every count)
+                    bound = kernel._bind_isolated(_symbolic_stand_ins(args, rows if one_row else ()))
+                    if symbolic:
+                        specs = _specialised_by(bound)
+                        values = _specialize(args, specs)
+                        if key is not None:  # (before the function is kept: a hit always finds it)
+                            _specialised[key] = (specs, values)
                 elif one_row:
                     bound = kernel.bind(_two_rows(args, rows))
                 elif tracing:  # (one stand-in per tensor: an argument given twice is bound as one, as it runs)
@@ -356,11 +355,11 @@ def _has_symbols(args: tuple[Any, ...]) -> bool:
                for v in (*a.shape, *a.stride())) or any(isinstance(a, torch.SymInt) for a in args)
 
 
-def _symbolic_stand_ins(args: tuple[Any, ...], rows: tuple[int, ...] = ()) -> tuple[Any, ...]:
+def _symbolic_stand_ins(args: tuple[Any, ...], rows: tuple[int | tuple[int, int], ...] = ()) -> tuple[Any, ...]:
     """Stand-ins of a traced call whose sizes are symbolic, for Helion to bind code that serves every size they take:
     each symbolic size or stride (one symbol per distinct expression, at least 2, as a graph's symbolic length is)
     a free symbol of a shape environment of its own, static sizes as they are, a SymInt argument its value; the
-    first dim of the arguments at ``rows`` (a call of one row) one more symbol, its hint 2. Nothing
+    row dims of ``rows`` (a call of one row; see :func:`compiled`) one more symbol, its hint 2. Nothing
     Helion decides while it binds reaches the graph's guards, except one decision made here in the graph's own
     terms: whether each tensor has more elements than a 32-bit offset reaches (Helion then indexes it with 64-bit
     offsets), a guard on the length that makes a graph crossing it a second one."""
@@ -384,14 +383,15 @@ def _symbolic_stand_ins(args: tuple[Any, ...], rows: tuple[int, ...] = ()) -> tu
         return made[expr]
 
     row: list[Any] = []
+    dims = _row_dims(rows)
 
     def sizes(a: torch.Tensor, i: int) -> list[Any]:
         shape = [size(v) for v in a.shape]
-        if i in rows:
+        if i in dims:
             if not row:
                 row.append(env.create_symintnode(env.create_symbol(2, ConstantSource("hkernels_rows"),
                                                                    dynamic_dim=DimDynamic.DYNAMIC), hint=2))
-            shape[0] = row[0]
+            shape[dims[i]] = row[0]
         return shape
 
     out: list[Any] = []
@@ -461,24 +461,33 @@ def _specialize(args: tuple[Any, ...], specs: tuple[tuple[int, bool, int], ...])
     return tuple(int(args[i].size(d) if size else args[i].stride(d)) for i, size, d in specs)
 
 
-def _one_row(args: tuple[Any, ...], rows: tuple[int, ...]) -> bool:
-    """Whether the arguments at ``rows`` (the row count their first dim) hold one row."""
-    return bool(rows) and all(type(args[i].shape[0]) is int and args[i].shape[0] == 1
-                              for i in rows if isinstance(args[i], torch.Tensor))
+def _row_dims(rows: tuple[int | tuple[int, int], ...]) -> dict[int, int]:
+    """``rows`` (see :func:`compiled`) as {argument position: dim}."""
+    return dict((r, 0) if isinstance(r, int) else r for r in rows)
 
 
-def _two_rows(args: tuple[Any, ...], rows: tuple[int, ...]) -> tuple[Any, ...]:
-    """Arguments to bind a call of one row on: those at ``rows`` two rows (strides kept; never read), the rest
-    detached. Helion 1.5.0 specialises a dim of size 1 to a broadcast and then drops the row mask of a tile over
-    it: stores of every lane of a row block go to row 0 (masked lanes too), and a sum over the tile's rows counts
-    row 0 once per row of the tile. Code bound at two rows reads the row count at run time and serves one row as it
-    serves any other count (one binding for every count, and no padding copy per call)."""
+def _one_row(args: tuple[Any, ...], rows: tuple[int | tuple[int, int], ...]) -> bool:
+    """Whether the row count of the arguments (``rows``: see :func:`compiled`) is one."""
+    dims = _row_dims(rows)
+    return bool(dims) and all(type(args[i].shape[d]) is int and args[i].shape[d] == 1
+                              for i, d in dims.items() if isinstance(args[i], torch.Tensor))
+
+
+def _two_rows(args: tuple[Any, ...], rows: tuple[int | tuple[int, int], ...]) -> tuple[Any, ...]:
+    """Arguments to bind a call of one row on: those at ``rows`` (see :func:`compiled`) with two rows (strides kept;
+    never read), the rest detached. Helion 1.5.0 specialises a dim of size 1 to a broadcast and then drops the row
+    mask of a tile over it: stores of every lane of a row block go to row 0 (masked lanes too), and a sum over the
+    tile's rows counts row 0 once per row of the tile. Code bound at two rows reads the row count at run time and
+    serves one row as it serves any other count (one binding for every count, and no padding copy per call)."""
+    dims = _row_dims(rows)
     made: dict[int, Any] = {}  # (an argument given twice is one stand-in, bound as it runs)
     out = []
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and i in rows:
+        if isinstance(a, torch.Tensor) and i in dims:
             if id(a) not in made:
-                made[id(a)] = torch.empty_strided((2, *a.shape[1:]), a.stride(), dtype=a.dtype, device=a.device)
+                shape = list(a.shape)
+                shape[dims[i]] = 2
+                made[id(a)] = torch.empty_strided(shape, a.stride(), dtype=a.dtype, device=a.device)
             a = made[id(a)]
         out.append(_detached(a))
     return tuple(out)
@@ -507,7 +516,7 @@ def _stand_in(a: Any) -> Any:
 
 
 def bind(kernel: helion.Kernel, args: tuple[Any, ...], n: int, device: torch.device,
-         block_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] = ()) -> tuple[Any, Any]:
+         block_sizes: tuple[int, ...] | None = None, rows: tuple[int | tuple[int, int], ...] = ()) -> tuple[Any, Any]:
     """``kernel`` for arguments of this signature (a plan's binding): (Helion's generated host function, a launcher
     for it that goes straight to each compiled Triton kernel after its first launch); call ``fn(*args,
     _launcher=launcher)``. In interpret mode the launcher runs each kernel in the interpreter, one at a time.

@@ -50,10 +50,10 @@ read by pointer for fixed-length calls too: with ``indexing="tensor_descriptor"`
 as Helion 1.5.0 generates it for triton 3.6, stops on the H200 with an illegal instruction.
 
 Helion 1.5.0 takes a dim of size 1 for a broadcast and drops the mask of a multi-row tile over it (every lane
-loads and stores row 0): a length-1 query sequence (or a packed tensor of one row) is padded with a zero row (q is
-tiny then) and the extra row sliced off. One key (Skv = 1) runs no kernel, forward or backward: its softmax weight
-is p = exp(score − score), 1 or NaN for a non-finite score, so o = p·v and lse = the (capped) score, and the
-gradients follow in a few lines on the host.
+loads and stores row 0): a length-1 query sequence is bound at two queries (code that reads the length as it runs,
+the same for every length), and a packed tensor of one row is padded with a zero row and the extra row sliced off.
+One key (Skv = 1) runs no kernel, forward or backward: its softmax weight is p = exp(score − score), 1 or NaN for a
+non-finite score, so o = p·v and lse = the (capped) score, and the gradients follow in a few lines on the host.
 """
 
 from __future__ import annotations
@@ -640,6 +640,13 @@ def _prepare(x: Tensor) -> Tensor:
     return x.contiguous() if overflow or broadcast else x
 
 
+# Where the kernels' arguments hold the query length (their dim 3: [B, Hk, G, S, ...]): a call of one query binds
+# at two (see _helion.compiled), so a decode step launches its kernels alone.
+_FWD_ROWS = ((0, 3), (3, 3), (4, 3))  # q, o, lse
+_DQ_ROWS = ((0, 3), (1, 3), (4, 3), (5, 3), (6, 3), (7, 3))  # do, q, o, lse, dq, delta
+_DKDV_ROWS = ((0, 3), (1, 3), (4, 3), (5, 3))  # do, q, lse, delta
+
+
 def _pad_row(x: Tensor, dim: int = -2) -> Tensor:
     """[..., 1, D] -> [..., 2, D] with a zero second row (see the module docstring: size-1 dims)."""
     return torch.cat([x, x.new_zeros(x.shape)], dim=dim)
@@ -707,8 +714,6 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
     causal = right == 0 and bool(S > 1)  # one query, one key: nothing to mask (a bool also at a symbolic S)
     if scale < 0 and softcap == 0:  # the kernel takes row maxima before scaling: give it (−q, −scale), the same scores
         q, scale = -q, -scale
-    if S == 1:
-        q = _pad_row(q)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if masked:
@@ -716,12 +721,10 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, l
         # lse stands in for the unread cu_seqlens
         args = (_groups(q, Hk), k, v, _groups(o, Hk), _groups(lse, Hk), lse, lse, S, Skv, B, S, Skv, qk_scale, lo,
                 hi, cap_scale, cap, False, softcap > 0)
-        _helion.run(_attention_masked_fwd, args, D, q.device)
+        _helion.run(_attention_masked_fwd, args, D, q.device, rows=(*_FWD_ROWS, (5, 2), (6, 2)))
     else:
         args = (_groups(q, Hk), k, v, _groups(o, Hk), _groups(lse, Hk), scale * LOG2E, causal)
-        _helion.run(_attention_fwd, args, D, q.device)
-    if S == 1:
-        o, lse = o[:, :, :1].contiguous(), lse[:, :, :1].contiguous()
+        _helion.run(_attention_fwd, args, D, q.device, rows=_FWD_ROWS)
     return o, lse
 
 
@@ -756,9 +759,6 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     do, q, k, v, o, lse = (_prepare(t) for t in (do, q, k, v, o, lse))
     masked = left >= 0 or right > 0 or softcap > 0
     causal = right == 0 and bool(S > 1)
-    if S == 1:  # a zero query row: q = do = 0, so its terms in dk, dv vanish; its dq row is sliced off
-        do, q, o = _pad_row(do), _pad_row(q), _pad_row(o)
-        lse = torch.cat([lse, lse.new_zeros(lse.shape)], dim=-1)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -769,15 +769,14 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         qk_scale, lo, hi, cap_scale, cap = _options(False, scale, left, right, softcap, _bound(S, Skv))
         rest = (lse, lse, S, Skv, B, S, Skv, qk_scale, scale, lo, hi, cap_scale, cap, False, softcap > 0)
         _helion.run(_attention_masked_bwd_dq, (dog, qg, k, v, _groups(o, Hk), lseg, _groups(dq, Hk), deltag, *rest),
-                    D, q.device)
-        _helion.run(_attention_masked_bwd_dkdv, (dog, qg, k, v, lseg, deltag, dk, dv, *rest), D, q.device)
+                    D, q.device, rows=(*_DQ_ROWS, (8, 2), (9, 2)))
+        _helion.run(_attention_masked_bwd_dkdv, (dog, qg, k, v, lseg, deltag, dk, dv, *rest), D, q.device,
+                    rows=(*_DKDV_ROWS, (8, 2), (9, 2)))
     else:
         dq_args = (dog, qg, k, v, _groups(o, Hk), lseg, _groups(dq, Hk), deltag, scale * LOG2E, scale, causal)
-        _helion.run(_attention_bwd_dq, dq_args, D, q.device)
+        _helion.run(_attention_bwd_dq, dq_args, D, q.device, rows=_DQ_ROWS)
         dkdv_args = (dog, qg, k, v, lseg, deltag, dk, dv, scale * LOG2E, scale, causal)
-        _helion.run(_attention_bwd_dkdv, dkdv_args, D, q.device)
-    if S == 1:
-        dq = dq[:, :, :1].contiguous()
+        _helion.run(_attention_bwd_dkdv, dkdv_args, D, q.device, rows=_DKDV_ROWS)
     return dq, dk, dv
 
 

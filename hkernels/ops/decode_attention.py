@@ -10,8 +10,8 @@ Helion picks 32-bit offsets from element counts: a cache that is a view into a l
 elements with fewer of its own (a slice of a cache pool) is copied first.
 
 Helion 1.5.0 takes a dim of size 1 for a broadcast and drops the mask of a multi-row tile over it: one query row
-(R = 1) or a one-row cache (S_max = 1) is padded with a zero row, which no query sees, and the extra output row
-sliced off.
+(R = 1) binds at two rows (code that reads the row count as it runs), and a one-row cache (S_max = 1) is padded
+with a zero row, which no query sees.
 """
 
 from __future__ import annotations
@@ -130,6 +130,11 @@ def _prepare(x: Tensor) -> Tensor:
     return x.contiguous() if _max_offset(x) > _INT32_LIMIT and x.numel() <= _INT32_LIMIT else x
 
 
+# Where the split kernel's arguments hold the query rows per cache head (dim 2 of q, o or its partials, and the
+# partials' lse): one row binds at two (see _helion.compiled), as does a combine over one row.
+_SPLIT_ROWS = ((0, 2), (4, 2), (5, 2))
+
+
 def _rows(t: Tensor, hk: int) -> Tensor:
     """[B, Hq, Sq, D] -> [B, Hk, G·Sq, D]: a view where the layout allows it, else a copy."""
     B, Hq, Sq, D = t.shape
@@ -154,8 +159,6 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
     k_cache, v_cache = _prepare(k_cache), _prepare(v_cache)
     qr = _rows(q, Hk)
     R = qr.shape[2]
-    if R == 1:
-        qr = torch.cat([qr, qr.new_zeros(qr.shape)], dim=2)
     seqlens = cache_seqlens if cache_seqlens.stride(0) == 1 else cache_seqlens.contiguous()
     if softcap > 0.0:
         qk_scale, cap_in, cap_out = LOG2E, scale / softcap, softcap
@@ -163,28 +166,27 @@ def decode_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seql
         qk_scale, cap_in, cap_out = scale * LOG2E, 1.0, 1.0
     # The grid's programs: row blocks of up to 64 query rows (16 at least, for the dot); chunks a multiple of the
     # config's step (its block size), as many as fill the GPU (triton_fallback/decode_attention.py's split_plan)
-    Rp = qr.shape[2]
-    rows_per_tile = max(16, 1 << (min(Rp, 64) - 1).bit_length())
+    rows_per_tile = max(16, 1 << (min(R, 64) - 1).bit_length())
     (block_n,) = _helion.config_for(_decode_attention_split.name, D, q.device, q.dtype).config["block_sizes"]
     bucket = _helion._bucket(_helion.arch_of(q.device), _decode_attention_split.name, D, q.dtype)
-    ns, chunk = split_plan(B * Hk * -(-Rp // rows_per_tile), k_cache.shape[2], block_n,
+    ns, chunk = split_plan(B * Hk * -(-R // rows_per_tile), k_cache.shape[2], block_n,
                            int(bucket.get("min_chunk", 256)), int(bucket.get("programs_per_sm", 2)), q.device)
     flags = (rows_per_tile, softcap > 0.0, window_left >= 0, ns > 1)
     unbounded = S + Sq if type(S) is int else 1 << 30
     numbers = (Sq, chunk, window_left if window_left >= 0 else unbounded, qk_scale, cap_in, cap_out)
     if ns == 1:
-        o = torch.empty((B, Hk, Rp, 1, D), dtype=q.dtype, device=q.device)
-        unused = torch.empty((B, Hk, Rp, 1), dtype=torch.float32, device=q.device)
+        o = torch.empty((B, Hk, R, 1, D), dtype=q.dtype, device=q.device)
+        unused = torch.empty((B, Hk, R, 1), dtype=torch.float32, device=q.device)
         _helion.run(_decode_attention_split, (qr, k_cache, v_cache, seqlens, o, unused, *numbers, *flags), D,
-                    q.device)
+                    q.device, rows=_SPLIT_ROWS)
     else:
-        o_part = torch.empty((B, Hk, Rp, ns, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hk, Rp, ns), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((B, Hk, R, ns, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hk, R, ns), dtype=torch.float32, device=q.device)
         _helion.run(_decode_attention_split, (qr, k_cache, v_cache, seqlens, o_part, lse_part, *numbers, *flags),
-                    D, q.device)
-        o = torch.empty((B, Hk, Rp, 1, D), dtype=q.dtype, device=q.device)
-        rows = B * Hk * Rp
+                    D, q.device, rows=_SPLIT_ROWS)
+        o = torch.empty((B, Hk, R, 1, D), dtype=q.dtype, device=q.device)
+        rows = B * Hk * R
         _helion.run(_decode_attention_combine, (o_part.view(rows, ns, D), lse_part.view(rows, ns),
-                                                o.view(rows, D)), D, q.device)
-    o = o.narrow(2, 0, R).select(3, 0)  # (narrowed, not indexed: see hkernels/runtime/routing.py's bounds)
+                                                o.view(rows, D)), D, q.device, rows=(0, 1, 2))
+    o = o.select(3, 0)
     return o.reshape(B, Hq, Sq, D)
