@@ -14,7 +14,7 @@ BACKENDS = {"triton": triton_partials, "helion": helion_partials}
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("p", "n"), [(1, 1), (16, 64), (37, 101), (264, 130)])
+@pytest.mark.parametrize(("p", "n"), [(1, 1), (1, 300), (16, 64), (37, 101), (264, 130)])
 def test_sum_partials_against_float64(backend, dtype, p, n, device):
     mod = BACKENDS[backend]
     g = torch.Generator(device=device).manual_seed(p * 1000 + n)

@@ -47,9 +47,7 @@ def bind_sum_partials(part: Tensor, param: Tensor) -> Callable[[Tensor, Tensor],
         pass
     elif N == 0 or P == 0:
         return lambda part, param: torch.zeros(N, dtype=dtype, device=device)
-    elif P == 1:  # the sum is the row. (Helion 1.5.0 specialises a size-1 P to a broadcast, and its code then fails.)
-        return lambda part, param: part[0].to(dtype)
-    fn, launcher = _helion.bind(_sum_partials, (part, param), N, device)
+    fn, launcher = _helion.bind(_sum_partials, (part, param), N, device, rows=(0,))  # (one partial: bound at two)
     return lambda part, param: fn(part, param, _launcher=launcher)
 
 
