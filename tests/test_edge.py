@@ -1009,3 +1009,34 @@ def test_multimodal_rope_selects_streams_without_a_gather_unless_tables_need_gra
         ref = torch.autograd.grad(want, (tc, ts), [d.double() for d in dy])
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_helion_one_row_runs_the_code_of_every_row_count(op, device, monkeypatch):
+    """A one-row call on Helion binds at two rows (Helion 1.5.0 would take a dim of 1 for a broadcast): after a call
+    of another row count it binds nothing new, and its forward and backward are right (no padded copy)."""
+    import helion
+
+    from hkernels.ops import layer_norm as helion_layer_norm
+    from hkernels.ops import rms_norm as helion_rms_norm
+
+    monkeypatch.setenv("HKERNELS_CODE_CACHE", "0")  # (a binding, not a stored file)
+    module = helion_rms_norm if op == "rms_norm" else helion_layer_norm
+    kernels = [k for k in vars(module).values() if isinstance(k, helion.Kernel)]
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, generator=g).to(device).requires_grad_()
+    fn, ref = getattr(hkernels, op), getattr(references, op)
+    with hkernels.use_backend("helion"):
+        x3 = torch.randn(3, 96, generator=g).to(device).requires_grad_()
+        torch.autograd.grad(fn(x3, w).sum(), [x3, w])
+        bound = {k.name: len(k._bound_kernels) for k in kernels}
+        x1 = torch.randn(1, 96, generator=g).to(device).requires_grad_()
+        dy = torch.randn(1, 96, generator=g).to(device)
+        y = fn(x1, w)
+        dx, dw = torch.autograd.grad(y, [x1, w], dy)
+    assert {k.name: len(k._bound_kernels) for k in kernels} == bound
+    x64, w64 = x1.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = ref(x64, w64)
+    dx64, dw64 = torch.autograd.grad(y64, [x64, w64], dy.double())
+    for got, want in ((y, y64), (dx, dx64), (dw, dw64)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
