@@ -596,7 +596,7 @@ def test_a_traced_helion_launch_at_a_symbolic_length_is_bound_once(monkeypatch):
     monkeypatch.setattr(_launch, "float32_scalars", lambda kernel, args: kernel)  # (interpreted kernels: no twin)
     bindings = []
     real = _helion._symbolic_stand_ins
-    monkeypatch.setattr(_helion, "_symbolic_stand_ins", lambda args: bindings.append(1) or real(args))
+    monkeypatch.setattr(_helion, "_symbolic_stand_ins", lambda *a: bindings.append(1) or real(*a))
     symbols = []
 
     def forget_the_specialisations() -> None:
