@@ -388,7 +388,7 @@ from hkernels.ops import _helion
 class Caught(Exception):
     pass
 
-def catch(kernel, args, n, device):
+def catch(kernel, args, n, device, rows=()):
     raise Caught(args)
 
 _helion.run = catch

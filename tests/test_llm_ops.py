@@ -112,7 +112,8 @@ def test_moe_frozen_experts_skip_the_weight_gradients(backend, device, monkeypat
     calls = []
     real, run = triton_moe.dweight_into, _helion.run
     monkeypatch.setattr(triton_moe, "dweight_into", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(_helion, "run", lambda k, *a: (k.name == "_moe_dweight" and calls.append(1)) or run(k, *a))
+    monkeypatch.setattr(_helion, "run",
+                        lambda k, *a, **kw: (k.name == "_moe_dweight" and calls.append(1)) or run(k, *a, **kw))
     got = grads(gu, dn)
     assert got[1].dtype == torch.float64 and not calls
     for a, b in zip(got, want, strict=True):
